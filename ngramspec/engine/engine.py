@@ -1,0 +1,239 @@
+"""LLMEngine: add requests, then step() until done. One step = schedule -> draft -> run -> verify -> commit."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ngramspec.config import EngineConfig
+from ngramspec.engine.kv_cache import SlotAllocator
+from ngramspec.engine.model_runner import ForwardItem, ModelRunner
+from ngramspec.engine.scheduler import Schedule, ScheduledChunk, Scheduler
+from ngramspec.engine.sequence import Sequence, Status
+from ngramspec.engine.stops import check_stop
+from ngramspec.layers.attention import KVCache
+from ngramspec.models.loader import (load_model_config, load_state_dict, load_tokenizer,
+                                     resolve_model_dir)
+from ngramspec.sampling_params import SamplingParams
+from ngramspec.spec.tree import DraftTree
+from ngramspec.spec.verify import VerifyResult, verify_greedy, verify_sampled
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_steps: int = 0
+    num_verify_steps: int = 0  # per-request verify steps
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0
+    draft_time: float = 0.0
+    forward_time: float = 0.0
+    step_time: float = 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return self.num_emitted_tokens / self.num_verify_steps if self.num_verify_steps else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        d = {name: getattr(self, name) for name in self.__slots__}
+        d["mean_acceptance_length"] = self.mean_acceptance_length
+        steps = max(self.num_steps, 1)
+        d["draft_ms_per_step"] = 1000 * self.draft_time / steps
+        d["forward_ms_per_step"] = 1000 * self.forward_time / steps
+        return d
+
+
+@dataclass(slots=True)
+class StepOutput:
+    seq: Sequence
+    new_token_ids: list[int] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        model_dir = resolve_model_dir(config.model)
+        self.model_cfg = load_model_config(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.max_model_len = min(config.max_model_len, self.model_cfg.max_position_embeddings)
+        dtype, device = config.torch_dtype, config.torch_device
+        per_slot = KVCache.bytes_per_slot(self.model_cfg.num_layers, self.model_cfg.num_kv_heads,
+                                          self.model_cfg.head_dim, dtype)
+        num_slots = max(2, config.kv_cache_bytes // per_slot)
+        self.runner = ModelRunner(self.model_cfg, load_state_dict(model_dir), num_slots,
+                                  self.max_model_len, dtype, device)
+        self.allocator = SlotAllocator(num_slots)
+        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
+        self.eos_token_ids = self._eos_ids()
+        self.stats = EngineStats()
+        self.drafter = None
+        self.speculator = None
+        if config.speculative == "ngram":
+            from ngramspec.engine.speculator import Speculator
+
+            self.speculator = Speculator(config, self)
+        self._ids = itertools.count()
+        self._seqs: dict[str, Sequence] = {}
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids = set(self.model_cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    references: list[list[int]] | None = None) -> Sequence:
+        self._validate(request_id, prompt_ids, params)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        seq = Sequence(next(self._ids), request_id, list(prompt_ids), len(prompt_ids), params,
+                       self.eos_token_ids, generator=generator)
+        seq.use_spec = self.speculator is not None and params.speculative
+        if self.speculator is not None:
+            self.speculator.start(seq, references)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def _validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_cfg.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens but the context holds "
+                             f"{self.max_model_len} (prompt + at least one new token)")
+        if len(prompt_ids) + 1 + self.scheduler.admission_reserve > self.allocator.num_usable:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens but the KV cache holds "
+                             f"only {self.allocator.num_usable}; raise kv_cache_bytes")
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            seq.finish_reason = "abort"
+            self._finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[StepOutput]:
+        t0 = time.perf_counter()
+        schedule = self.scheduler.schedule()
+        if not schedule:
+            return []
+        trees = self._draft(schedule)
+        t1 = time.perf_counter()
+        items = [self._forward_item(c, trees.get(c.seq.seq_id)) for c in schedule.chunks]
+        logits = self.runner.run(items)  # [rows, vocab]
+        t2 = time.perf_counter()
+        outputs = self._postprocess(schedule, trees, logits)
+        self.stats.num_steps += 1
+        self.stats.draft_time += t1 - t0
+        self.stats.forward_time += t2 - t1
+        self.stats.step_time += time.perf_counter() - t0
+        return outputs
+
+    def _draft(self, schedule: Schedule) -> dict[int, DraftTree]:
+        if self.speculator is None:
+            return {}
+        return self.speculator.propose(schedule)
+
+    def _forward_item(self, chunk: ScheduledChunk, tree: DraftTree | None) -> ForwardItem:
+        seq, start = chunk.seq, chunk.start
+        if tree is not None and tree.num_drafts:
+            return ForwardItem(tree.token_ids, tree.positions(start), seq.slots, chunk.slots,
+                               tree.ancestor_mask(), list(range(len(tree))))
+        end = start + chunk.num_tokens
+        rows = [chunk.num_tokens - 1] if chunk.samples else []
+        return ForwardItem(seq.token_ids[start:end], list(range(start, end)), seq.slots,
+                           chunk.slots, None, rows)
+
+    def _postprocess(self, schedule: Schedule, trees: dict[int, DraftTree],
+                     logits: torch.Tensor) -> list[StepOutput]:
+        sampling = [c for c in schedule.chunks if c.samples]
+        greedy_targets = self._greedy_targets(sampling, trees, logits)
+        outputs, row = [], 0
+        for chunk in schedule.chunks:
+            seq = chunk.seq
+            if not chunk.samples:
+                seq.slots += chunk.slots
+                continue
+            tree = trees.get(seq.seq_id) or DraftTree.root_only(seq.token_ids[-1])
+            n = len(tree)
+            result = self._verify(seq, tree, logits[row : row + n], greedy_targets, row)
+            row += n
+            self._commit_slots(chunk, tree, result)
+            outputs.append(self._append(seq, tree, result))
+        return outputs
+
+    def _greedy_targets(self, chunks: list[ScheduledChunk], trees: dict[int, DraftTree],
+                        logits: torch.Tensor) -> list[int] | None:
+        # One argmax for the whole batch when no request needs per-row processing.
+        if all(c.seq.params.greedy and not c.seq.params.has_penalties for c in chunks):
+            return logits.argmax(-1).tolist()
+        return None
+
+    def _verify(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor,
+                greedy_targets: list[int] | None, row: int) -> VerifyResult:
+        if greedy_targets is not None:
+            return verify_greedy(tree, greedy_targets[row : row + len(tree)])
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        return verify_sampled(tree, logits, seq.params, prompt, seq.output_ids, seq.generator)
+
+    def _commit_slots(self, chunk: ScheduledChunk, tree: DraftTree, result: VerifyResult) -> None:
+        """Accepted nodes' K/V become the sequence's next positions; rejected slots are freed.
+
+        Slots are token-granular, so committing is a slot-table rewrite: accepted node i at depth
+        k was written at position start + k, exactly where it now belongs.
+        """
+        seq = chunk.seq
+        if tree.num_drafts == 0:
+            seq.slots += chunk.slots
+            return
+        keep = [0] + result.accepted_nodes
+        seq.slots += [chunk.slots[i] for i in keep]
+        kept = set(keep)
+        self.allocator.free([s for i, s in enumerate(chunk.slots) if i not in kept])
+
+    def _append(self, seq: Sequence, tree: DraftTree, result: VerifyResult) -> StepOutput:
+        out = StepOutput(seq)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        for token in result.output_ids:
+            seq.token_ids.append(token)
+            out.new_token_ids.append(token)
+            reason = check_stop(seq, self.tokenizer, self.max_model_len)
+            if reason is not None:
+                seq.finish_reason = reason
+                break
+        num_drafted_rows = len(out.new_token_ids)
+        if self.speculator is not None:
+            self.speculator.observe(seq, tree, result, num_drafted_rows, self.stats)
+        # Tokens beyond a stop were never appended, so their K/V slots must go too.
+        extra = len(seq.slots) - (seq.num_tokens - 1)
+        if extra > 0:
+            self.allocator.free(seq.slots[-extra:])
+            del seq.slots[-extra:]
+        if seq.finish_reason is not None:
+            self._finish(seq)
+        return out
+
+    def _finish(self, seq: Sequence) -> None:
+        seq.finish_time = time.perf_counter()
+        self.scheduler.finish(seq)
+        if self.speculator is not None:
+            self.speculator.stop(seq)
+        self._seqs.pop(seq.request_id, None)

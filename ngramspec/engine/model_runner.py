@@ -1,0 +1,86 @@
+"""ModelRunner: turns a step's query tokens into tensors, runs the model, returns logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ngramspec.layers.attention import AttentionMetadata, KVCache
+from ngramspec.models.config import ModelConfig
+from ngramspec.models.llama import LlamaForCausalLM
+
+
+@dataclass(slots=True)
+class ForwardItem:
+    """One sequence's share of a forward pass."""
+
+    token_ids: list[int]  # [n] query tokens
+    positions: list[int]  # [n]
+    prefix_slots: list[int]  # K/V slots already cached, attended by every query token
+    slots: list[int]  # [n] where the query tokens' K/V are written
+    local_mask: list[list[bool]] | None  # [n, n] mask among query tokens; None = causal
+    logits_rows: list[int]  # query rows whose logits are needed
+
+
+class ModelRunner:
+    def __init__(self, model_cfg: ModelConfig, state: dict[str, torch.Tensor], num_slots: int,
+                 max_model_len: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.device, self.dtype = device, dtype
+        self.model_cfg = model_cfg
+        with torch.device(device):
+            model = LlamaForCausalLM(model_cfg, max_positions=max_model_len + 64)
+        model.load_hf_state_dict(state)
+        self.model = model.to(dtype=dtype).eval()
+        self.model.rope.to(torch.float32)  # keep cos/sin exact; they are cast per use
+        self.cache = KVCache(model_cfg.num_layers, num_slots, model_cfg.num_kv_heads,
+                             model_cfg.head_dim, dtype, device)
+        self._causal: dict[int, torch.Tensor] = {}
+
+    @torch.inference_mode()
+    def run(self, items: list[ForwardItem]) -> torch.Tensor:
+        """Logits for every requested row, item by item in order: [num_rows, vocab] float32."""
+        input_ids, positions, meta, logits_index = self._prepare(items)
+        return self.model(input_ids, positions, self.cache, meta, logits_index)
+
+    def _prepare(self, items: list[ForwardItem]):
+        dev = self.device
+        num_q = max(len(it.token_ids) for it in items)
+        num_kv = max(len(it.prefix_slots) + len(it.slots) for it in items)
+        flat_ids, flat_pos, flat_slots, kv_rows, q_rows, out_rows, logit_rows = [], [], [], [], [], [], []
+        offset = 0
+        for b, it in enumerate(items):
+            n = len(it.token_ids)
+            flat_ids += it.token_ids
+            flat_pos += it.positions
+            flat_slots += it.slots
+            kv = it.prefix_slots + it.slots
+            kv_rows.append(kv + [0] * (num_kv - len(kv)))
+            q_rows.append(list(range(offset, offset + n)) + [0] * (num_q - n))
+            out_rows += range(b * num_q, b * num_q + n)
+            logit_rows += [offset + r for r in it.logits_rows]
+            offset += n
+        prefix_lens = torch.tensor([len(it.prefix_slots) for it in items], device=dev)
+        cols = torch.arange(num_kv, device=dev)
+        mask = (cols[None, :] < prefix_lens[:, None])[:, None, None, :].repeat(1, 1, num_q, 1)
+        for b, it in enumerate(items):
+            n, p = len(it.token_ids), len(it.prefix_slots)
+            mask[b, 0, :n, p : p + n] = self._local_mask(it)
+            mask[b, 0, n:, 0] = True  # padded query rows must see something (else NaN)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(flat_slots, device=dev),
+            query_index=torch.tensor(q_rows, device=dev),
+            kv_slots=torch.tensor(kv_rows, device=dev),
+            mask=mask,
+            output_index=torch.tensor(out_rows, device=dev),
+        )
+        return (torch.tensor(flat_ids, device=dev), torch.tensor(flat_pos, device=dev), meta,
+                torch.tensor(logit_rows, device=dev))
+
+    def _local_mask(self, it: ForwardItem) -> torch.Tensor:
+        if it.local_mask is not None:
+            return torch.tensor(it.local_mask, device=self.device)
+        n = len(it.token_ids)
+        if n not in self._causal:
+            self._causal[n] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+        return self._causal[n]

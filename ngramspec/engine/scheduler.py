@@ -1,0 +1,129 @@
+"""Continuous batching: FCFS admission, chunked prefill, token and sequence limits, preemption."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ngramspec.engine.kv_cache import SlotAllocator
+from ngramspec.engine.sequence import Sequence, Status
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first token index computed in this step
+    slots: list[int]  # fresh KV slots for this step's query tokens (root first for decodes)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.slots)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.start < self.seq.num_tokens - 1
+
+    @property
+    def samples(self) -> bool:
+        """The step reaches the sequence's last token, so it yields the next one."""
+        return self.start + len(self.slots) >= self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class Schedule:
+    decodes: list[ScheduledChunk]
+    prefills: list[ScheduledChunk]
+    spare_tokens: int  # token budget left for draft nodes
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        return self.decodes + self.prefills
+
+    def __bool__(self) -> bool:
+        return bool(self.decodes or self.prefills)
+
+
+class Scheduler:
+    def __init__(self, allocator: SlotAllocator, max_num_seqs: int, max_num_batched_tokens: int,
+                 admission_reserve: int = 16) -> None:
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # Slots a new request must leave free so running requests can keep decoding.
+        self.admission_reserve = admission_reserve
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Schedule:
+        budget = self.max_num_batched_tokens
+        decodes: list[ScheduledChunk] = []
+        prefills: list[ScheduledChunk] = []
+        scheduled: set[int] = set()
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or budget == 0:
+                continue
+            scheduled.add(seq.seq_id)
+            if seq.is_decoding:
+                slots = self._allocate_or_preempt(seq, 1, scheduled)
+                if slots is not None:
+                    decodes.append(ScheduledChunk(seq, seq.num_tokens - 1, slots))
+                    budget -= 1
+            else:
+                chunk = self._prefill_chunk(seq, budget)
+                if chunk is not None:
+                    prefills.append(chunk)
+                    budget -= chunk.num_tokens
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            need = seq.num_tokens + self.admission_reserve
+            if need > self.allocator.num_free and self.running:
+                break  # FCFS: later requests never overtake the head of the queue
+            chunk = self._prefill_chunk(seq, budget)
+            if chunk is None:
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            prefills.append(chunk)
+            budget -= chunk.num_tokens
+        return Schedule(decodes, prefills, budget)
+
+    def _prefill_chunk(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
+        n = min(seq.num_tokens - seq.num_cached, budget)
+        slots = self.allocator.allocate(n)
+        if not slots:
+            return None
+        return ScheduledChunk(seq, seq.num_cached, slots)
+
+    def _allocate_or_preempt(self, seq: Sequence, n: int, scheduled: set[int]) -> list[int] | None:
+        # Victims are the latest arrivals not yet in this step; failing that, `seq` itself.
+        while (slots := self.allocator.allocate(n)) is None:
+            victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled), None)
+            if victim is None:
+                self.preempt(seq)
+                return None
+            self.preempt(victim)
+        return slots
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a sequence's K/V and requeue it at the front; it is recomputed later, intact."""
+        self.allocator.free(seq.slots)
+        seq.slots = []
+        seq.status = Status.WAITING
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        self.allocator.free(seq.slots)
+        seq.slots = []
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED

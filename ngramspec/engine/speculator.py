@@ -1,0 +1,64 @@
+"""Speculator: the engine's side of n-gram speculation (drafting, slot reservation, statistics)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ngramspec.config import EngineConfig
+from ngramspec.engine.scheduler import Schedule
+from ngramspec.engine.sequence import Sequence
+from ngramspec.spec.config import make_drafter
+from ngramspec.spec.tree import DraftTree
+from ngramspec.spec.verify import VerifyResult
+
+if TYPE_CHECKING:
+    from ngramspec.engine.engine import EngineStats, LLMEngine
+
+
+class Speculator:
+    def __init__(self, config: EngineConfig, engine: LLMEngine, corpora=None) -> None:
+        self.config = config.drafter
+        self.engine = engine
+        self.corpora = corpora
+        self.drafter = make_drafter(config.drafter, corpora)
+
+    def start(self, seq: Sequence, references: list[list[int]] | None) -> None:
+        self.drafter.start(seq.request_id, seq.token_ids, references)
+
+    def stop(self, seq: Sequence) -> None:
+        self.drafter.stop(seq.request_id)
+
+    def propose(self, schedule: Schedule) -> dict[int, DraftTree]:
+        chunks = [c for c in schedule.decodes if c.seq.use_spec]
+        if not chunks or schedule.spare_tokens <= 0:
+            return {}
+        share = schedule.spare_tokens // len(chunks)
+        budget = min(self.config.num_draft_tokens, share)
+        if budget <= 0:
+            return {}
+        trees = self.drafter.propose([c.seq.request_id for c in chunks], [budget] * len(chunks))
+        out: dict[int, DraftTree] = {}
+        for chunk, tree in zip(chunks, trees):
+            tree = self._fit(tree, budget)
+            if tree.num_drafts:
+                slots = self.engine.allocator.allocate(tree.num_drafts)
+                if slots is None:  # cache too full to speculate this step: plain decode
+                    continue
+                chunk.slots.extend(slots)
+            out[chunk.seq.seq_id] = tree
+        return out
+
+    def _fit(self, tree: DraftTree, budget: int) -> DraftTree:
+        return tree.prefix(budget) if tree.num_drafts > budget else tree
+
+    def observe(self, seq: Sequence, tree: DraftTree, result: VerifyResult, num_appended: int,
+                stats: EngineStats) -> None:
+        appended = seq.token_ids[seq.num_tokens - num_appended :]
+        self.drafter.commit(seq.request_id, appended)
+        if seq.num_tokens - num_appended <= seq.num_prompt_tokens:
+            return  # the first token comes from prefill, not from a verify step
+        for counters in (seq.spec, stats):
+            counters.num_verify_steps += 1
+            counters.num_draft_tokens += tree.num_drafts
+            counters.num_accepted_tokens += len(result.accepted_nodes)
+            counters.num_emitted_tokens += num_appended

@@ -1,0 +1,60 @@
+"""Logit processing and sampling for one row at a time (penalties depend on each row's history)."""
+
+from __future__ import annotations
+
+import torch
+
+from ngramspec.sampling_params import SamplingParams
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]
+) -> torch.Tensor:
+    """vLLM semantics: repetition over prompt + output, presence/frequency over output only."""
+    # logits: [V] float32
+    if not params.has_penalties:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[0]
+    if params.repetition_penalty != 1:
+        seen = torch.tensor(prompt_ids + output_ids, dtype=torch.long, device=logits.device)
+        seen = seen[seen < vocab].unique()
+        vals = logits[seen]
+        r = params.repetition_penalty
+        logits[seen] = torch.where(vals > 0, vals / r, vals * r)
+    if output_ids and (params.presence_penalty or params.frequency_penalty):
+        out = torch.tensor(output_ids, dtype=torch.long, device=logits.device)
+        counts = torch.bincount(out[out < vocab], minlength=vocab).to(logits.dtype)
+        logits -= params.frequency_penalty * counts
+        logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution plain decoding samples from: temperature, top-k, top-p, min-p."""
+    # logits: [V] (penalties already applied) -> probs [V]
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[0]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the crossing token included).
+        drop = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+def sample_token(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
+    generator: torch.Generator | None,
+) -> int:
+    """One token from one row of logits, exactly as plain decoding would draw it."""
+    logits = apply_penalties(logits, params, prompt_ids, output_ids)
+    if params.greedy:
+        return int(logits.argmax())
+    probs = target_probs(logits, params)
+    return int(torch.multinomial(probs, 1, generator=generator))

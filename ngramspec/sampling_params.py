@@ -1,0 +1,66 @@
+"""Per-request sampling parameters, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 or -1 disables
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    speculative: bool = True  # lets a request opt out of speculation
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool),
+               "max_tokens", self.max_tokens, "must be an integer")
+        _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
+        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature",
+               self.temperature, "must be a number >= 0")
+        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", self.top_k,
+               "must be -1, 0 (disabled) or a positive integer")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p,
+               "must be in (0, 1]")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p,
+               "must be in [0, 1]")
+        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed,
+               "must be an integer or None")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
+               "must be non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               self.stop_token_ids, "must be non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, name, value, "must be in [-2, 2]")
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+               "repetition_penalty", self.repetition_penalty, "must be > 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+
+
+def _check(ok: bool, name: str, value: object, why: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name}={value!r} {why}")

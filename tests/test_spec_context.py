@@ -1,0 +1,86 @@
+"""Per-request context index: all earlier occurrences of the suffix, never across separators."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ngramspec.spec.context_index import ContextIndex
+from ngramspec.spec.sam import SEPARATOR
+
+tokens_strategy = st.lists(st.integers(0, 3), min_size=1, max_size=40)
+
+
+def build(refs: list[list[int]], stream: list[int], max_match: int, k: int) -> ContextIndex:
+    index = ContextIndex(max_match, k)
+    for doc in refs:
+        index.add_document(doc)
+    index.extend(stream)
+    return index
+
+
+def brute_occurrences(tokens: list[int], m: int) -> list[int]:
+    """End positions (before the last token) of earlier windows equal to the last m tokens."""
+    n = len(tokens)
+    suffix = tokens[n - m :]
+    if SEPARATOR in suffix:
+        return []
+    return [e for e in range(m - 1, n - 1) if tokens[e - m + 1 : e + 1] == suffix]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), max_size=10), max_size=2), tokens_strategy,
+       st.integers(1, 6), st.integers(1, 5))
+def test_anchors_match_brute_force(refs, stream, max_match, k):
+    index = build(refs, stream, max_match, k)
+    tokens = index.tokens
+    anchors = index.anchors(max_anchors=100)
+    expected, last = [], 0
+    for m in range(min(max_match, len(stream)), 0, -1):
+        occ = brute_occurrences(tokens, m)
+        if len(occ) > last:
+            expected.append((m, occ[-k:]))
+            last = len(occ)
+            if last >= k:
+                break
+    assert anchors == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), max_size=10), max_size=2), tokens_strategy)
+def test_continuation_walk_groups_by_token_and_stops_at_separators(refs, stream):
+    """Walk continuations as the drafter does (a group's ends go one offset deeper)."""
+    index = build(refs, stream, 4, 50)
+    for m, ends in index.anchors(10):
+        frontier = [(ends, 0)]
+        while frontier:
+            ends_now, offset = frontier.pop()
+            groups = index.continuations(ends_now, offset)
+            for token, group in groups.items():
+                assert token != SEPARATOR
+                for end in group:
+                    assert index.tokens[end + offset + 1] == token
+                    # the copied span (match + continuation) lies inside one document
+                    assert SEPARATOR not in index.tokens[end - m + 1 : end + offset + 2]
+                if offset < 5:
+                    frontier.append((group, offset + 1))
+            grouped = sorted(e for g in groups.values() for e in g)
+            valid = [e for e in ends_now if e + offset + 1 < len(index.tokens)
+                     and index.tokens[e + offset + 1] != SEPARATOR]
+            assert grouped == sorted(valid)
+
+
+def test_prompt_copy_on_first_step():
+    index = build([], [5, 1, 2, 3, 4, 6, 1, 2], 8, 8)
+    (m, ends), *_ = index.anchors(3)
+    assert m == 2 and ends == [2]  # "1 2" ended at position 2
+    assert index.continuations(ends, 0) == {3: [2]}
+    assert index.continuations(ends, 1) == {4: [2]}
+
+
+def test_reference_documents_do_not_join_the_prompt():
+    index = build([[7, 8]], [8, 9, 7], 4, 8)
+    # Text: 7 8 SEP 8 9 7. Suffix "7" occurred at 0, continuing with 8 (inside the reference).
+    assert index.anchors(3) == [(1, [0])]
+    assert index.continuations([0], 0) == {8: [0]}
+    assert index.continuations([0], 1) == {}  # next is the separator
