@@ -1,9 +1,31 @@
 """ngramspec: an LLM inference engine with lossless model-free n-gram speculative decoding."""
 
-from ngramspec.config import EngineConfig
-from ngramspec.llm import LLM
-from ngramspec.outputs import RequestOutput
-from ngramspec.sampling_params import SamplingParams
-from ngramspec.spec.config import DrafterConfig
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ngramspec.config import EngineConfig
+    from ngramspec.llm import LLM
+    from ngramspec.outputs import RequestOutput
+    from ngramspec.sampling_params import SamplingParams
+    from ngramspec.spec.config import DrafterConfig
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "DrafterConfig", "RequestOutput"]
+
+_HOMES = {
+    "LLM": "ngramspec.llm",
+    "SamplingParams": "ngramspec.sampling_params",
+    "EngineConfig": "ngramspec.config",
+    "DrafterConfig": "ngramspec.spec.config",
+    "RequestOutput": "ngramspec.outputs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so `import ngramspec.spec...` (the drafter, the simulator) never pulls in torch.
+    if name not in _HOMES:
+        raise AttributeError(f"module 'ngramspec' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_HOMES[name]), name)

@@ -9,8 +9,10 @@ positions of their earlier occurrences; the drafter grows a tree of all their co
 (replay_findings lesson 2). Windows never contain a separator, so matches and continuations stay
 inside one document.
 
-NOTE: windows are compared by a 61-bit polynomial hash; a collision (~1e-18 per pair) would only
-cost a rejected draft, never a wrong output.
+NOTE: windows are compared by a polynomial hash mod 2**64 (wrapping uint64 arithmetic, so the numba
+index in spec/fast/context.py computes the very same values); a collision (~5e-20 per pair; windows
+are at most max_match tokens, far too short for the Thue-Morse weakness of mod-2**64 hashing) would
+only cost a rejected draft, never a wrong output.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from array import array
 
 from ngramspec.spec.sam import SEPARATOR
 
-_MOD = (1 << 61) - 1
-_BASE = 1_000_003
+HASH_MASK = (1 << 64) - 1
+HASH_BASE = 0x100000001B3  # odd, so multiplication is a bijection mod 2**64
 
 
 class ContextIndex:
@@ -55,7 +57,7 @@ class ContextIndex:
         value = token + 1  # keep token 0 from hashing like "nothing"
         prev = self._hashes
         hashes = [value]
-        hashes.extend((h * _BASE + value) % _MOD for h in prev[: self.max_match - 1])
+        hashes.extend((h * HASH_BASE + value) & HASH_MASK for h in prev[: self.max_match - 1])
         self._hashes = hashes
         for table, h in zip(self._tables, hashes):
             ends = table.get(h)

@@ -24,7 +24,7 @@ from ngramspec.spec.sam import SEPARATOR
 
 ROOT = 0
 _SPAN = 2**31  # edge key = parent * _SPAN + token (tokens are int32 >= 0; separators never stored)
-_FORMAT_VERSION = 1
+FORMAT_VERSION = 1
 
 
 @dataclass(slots=True)
@@ -66,6 +66,9 @@ class NgramTrie:
         """Forget every n-gram; outstanding TrieStates become invalid (epoch bump)."""
         self.epoch += 1
         self._clear()
+
+    def new_state(self) -> TrieState:
+        return TrieState()
 
     @property
     def num_nodes(self) -> int:
@@ -272,22 +275,17 @@ class NgramTrie:
             "count": np.asarray([self._count[n] for n in order], dtype=np.int64),
             "lru": np.asarray([index[n] for n in self._leaves], dtype=np.int64),
         }
-        meta = {"format": "ngramspec.trie", "version": _FORMAT_VERSION,
+        meta = {"format": "ngramspec.trie", "version": FORMAT_VERSION,
                 "capacity": self.capacity, "max_depth": self.max_depth,
                 "num_nodes": len(order)}
         return meta, arrays
 
     @classmethod
     def from_arrays(cls, meta: dict, arrays: dict[str, np.ndarray]) -> NgramTrie:
-        if meta.get("version") != _FORMAT_VERSION:
-            raise ValueError(f"unsupported trie version {meta.get('version')!r}")
+        check_trie_meta(meta, arrays)
         trie = cls(int(meta["capacity"]), int(meta["max_depth"]))
         tokens, parents = arrays["token"].tolist(), arrays["parent"].tolist()
         counts = arrays["count"].tolist()
-        if len(tokens) > trie.capacity or len(tokens) != int(meta["num_nodes"]):
-            raise ValueError("trie arrays do not match meta (num_nodes/capacity)")
-        if not tokens or parents[0] != -1:
-            raise ValueError("trie arrays must start with the root")
         for node in range(1, len(tokens)):
             trie._restore_node(node, tokens[node], parents[node], counts[node])
         trie._leaves = OrderedDict((int(n), None) for n in arrays["lru"].tolist())
@@ -296,6 +294,10 @@ class NgramTrie:
     def _restore_node(self, node: int, token: int, parent: int, count: int) -> None:
         if not 0 <= parent < node:
             raise ValueError(f"trie node {node} has parent {parent}; parents must come first")
+        kids = self._kids[parent]
+        if count < 1 or (kids is not None and self._count[kids[-1]] < count):
+            # Bubbling relies on sorted siblings (and the fast trie on runs of equal counts).
+            raise ValueError(f"trie node {node}: counts must be >= 1, children in count order")
         for column, value in ((self._token, token), (self._parent, parent),
                               (self._count, count), (self._version, 1)):
             column.append(value)
@@ -305,6 +307,19 @@ class NgramTrie:
         self._edges[parent * _SPAN + token] = node
         self._pos.append(len(self._kids[parent]))
         self._kids[parent].append(node)
+
+
+def check_trie_meta(meta: dict, arrays: dict[str, np.ndarray]) -> None:
+    """Validation shared by both trie backends' from_arrays."""
+    if meta.get("version") != FORMAT_VERSION:
+        raise ValueError(f"unsupported trie version {meta.get('version')!r}")
+    num = len(arrays["token"])
+    if num > int(meta["capacity"]) or num != int(meta["num_nodes"]):
+        raise ValueError("trie arrays do not match meta (num_nodes/capacity)")
+    if not num or int(arrays["parent"][0]) != -1:
+        raise ValueError("trie arrays must start with the root")
+    if any(len(arrays[name]) != num for name in ("parent", "count")):
+        raise ValueError("trie arrays token/parent/count differ in length")
 
 
 def _run_length(context: list[int], cap: int) -> int:

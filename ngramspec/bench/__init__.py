@@ -1,0 +1,1 @@
+"""Benchmarks: corpus drafting cost and recorded token streams."""
