@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence as Seq
 from typing import Any
 
@@ -17,8 +18,10 @@ Message = dict[str, str]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **options: Any) -> None:
+    def __init__(self, model: str | None = None, record_streams: str | None = None,
+                 **options: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **options)
+        self.record_streams = record_streams
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
@@ -32,9 +35,15 @@ class LLM:
         prompt_list = [prompts] if _is_single(prompts) else list(prompts)
         params_list = _broadcast(params or SamplingParams(), len(prompt_list))
         ids = []
-        for i, (prompt, p) in enumerate(zip(prompt_list, params_list)):
-            refs = None if references is None else [self.encode(r) for r in references[i]]
-            ids.append(self.add_request(prompt, p, refs))
+        try:
+            for i, (prompt, p) in enumerate(zip(prompt_list, params_list)):
+                refs = None if references is None else [self.encode(r) for r in references[i]]
+                ids.append(self.add_request(prompt, p, refs))
+        except Exception:
+            # One bad prompt rejects the whole call; the ones already queued must not linger.
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
         return self._run(ids, use_tqdm, on_tokens)
 
     def chat(
@@ -71,7 +80,18 @@ class LLM:
                     done[out.seq.request_id] = build_output(out.seq, self.tokenizer)
                     bar.update(1)
         bar.close()
-        return [done[r] for r in request_ids]
+        outputs = [done[r] for r in request_ids]
+        if self.record_streams:
+            self._record(outputs)
+        return outputs
+
+    def _record(self, outputs: list[RequestOutput]) -> None:
+        """Greedy streams for the replay simulator (`ngramspec simulate`)."""
+        with open(self.record_streams, "a") as f:
+            for out in outputs:
+                line = {"id": out.request_id, "prompt_ids": out.prompt_token_ids,
+                        "output_ids": out.token_ids}
+                f.write(json.dumps(line) + "\n")
 
 
 def _is_single(prompts: Any) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ngramspec.config import EngineConfig
+from ngramspec.engine.cost_model import VerifyCost, measure_cost
 from ngramspec.engine.scheduler import Schedule
 from ngramspec.engine.sequence import Sequence
 from ngramspec.spec.config import make_drafter
@@ -21,6 +22,13 @@ class Speculator:
         self.engine = engine
         self.corpora = corpora
         self.drafter = make_drafter(config.drafter, corpora)
+        # The SGLang preset always verifies its full tree, as SGLang does; ours sizes it by cost.
+        self.adaptive = config.drafter.preset != "sglang"
+        if config.verify_cost is not None:
+            self.cost = VerifyCost.from_relative(config.verify_cost)
+        elif self.adaptive:
+            self.cost = measure_cost(engine.runner, engine.allocator,
+                                     max_tokens=config.max_num_batched_tokens)
 
     def start(self, seq: Sequence, references: list[list[int]] | None) -> None:
         self.drafter.start(seq.request_id, seq.token_ids, references)
@@ -37,9 +45,13 @@ class Speculator:
         if budget <= 0:
             return {}
         trees = self.drafter.propose([c.seq.request_id for c in chunks], [budget] * len(chunks))
+        trees = [self._fit(tree, budget) for tree in trees]
+        if self.adaptive:
+            base = len(schedule.decodes) + sum(c.num_tokens for c in schedule.prefills)
+            sizes = choose_draft_sizes(trees, base, self.cost)
+            trees = [tree.prefix(k) for tree, k in zip(trees, sizes)]
         out: dict[int, DraftTree] = {}
         for chunk, tree in zip(chunks, trees):
-            tree = self._fit(tree, budget)
             if tree.num_drafts:
                 slots = self.engine.allocator.allocate(tree.num_drafts)
                 if slots is None:  # cache too full to speculate this step: plain decode
@@ -62,3 +74,26 @@ class Speculator:
             counters.num_draft_tokens += tree.num_drafts
             counters.num_accepted_tokens += len(result.accepted_nodes)
             counters.num_emitted_tokens += num_appended
+
+
+def choose_draft_sizes(trees: list[DraftTree], base_tokens: int, cost: VerifyCost) -> list[int]:
+    """Draft nodes to keep per tree, maximising expected emitted tokens per second of step time.
+
+    Every node's `probs` is its estimated chance of being accepted, so keeping the m most likely
+    nodes over the whole batch yields 1 + sum(p) tokens per decoding sequence. Nodes are taken
+    best-first across trees (each tree's nodes are already best-first, so every tree keeps a prefix).
+    """
+    nodes = sorted(
+        ((-p, t, i) for t, tree in enumerate(trees) for i, p in enumerate(tree.probs) if i > 0)
+    )
+    expected = float(len(trees))
+    best_m, best_rate = 0, expected / cost(base_tokens)
+    for m, (neg_p, _, _) in enumerate(nodes, start=1):
+        expected -= neg_p
+        rate = expected / cost(base_tokens + m)
+        if rate > best_rate:
+            best_m, best_rate = m, rate
+    sizes = [0] * len(trees)
+    for _, t, _ in nodes[:best_m]:
+        sizes[t] += 1
+    return sizes

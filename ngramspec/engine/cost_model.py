@@ -1,0 +1,84 @@
+"""How long a forward pass takes for N query tokens: the curve the draft budget follows.
+
+Speculation pays only when the expected extra accepted tokens outweigh the extra verify cost. On
+a CPU the cost of N tokens is not linear (a matrix-vector product for one token, matrix-matrix
+for more), so we measure the curve once and pick, per step, the draft size that maximises
+expected tokens per second.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+
+import torch
+
+from ngramspec.engine.model_runner import ForwardItem, ModelRunner
+from ngramspec.engine.kv_cache import SlotAllocator
+
+DEFAULT_POINTS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+class VerifyCost:
+    """Piecewise-linear step time (seconds) as a function of the total query tokens in a step."""
+
+    def __init__(self, points: list[int], seconds: list[float]) -> None:
+        if len(points) != len(seconds) or not points:
+            raise ValueError("VerifyCost needs one time per point")
+        self.points, self.seconds = list(points), list(seconds)
+
+    def __call__(self, num_tokens: int) -> float:
+        pts, secs = self.points, self.seconds
+        if num_tokens <= pts[0]:
+            return secs[0]
+        if num_tokens >= pts[-1]:
+            return secs[-1] * num_tokens / pts[-1]
+        i = bisect.bisect_left(pts, num_tokens)
+        lo, hi = pts[i - 1], pts[i]
+        w = (num_tokens - lo) / (hi - lo)
+        return secs[i - 1] * (1 - w) + secs[i] * w
+
+    @classmethod
+    def from_relative(cls, relative: list[float], points: tuple[int, ...] = DEFAULT_POINTS) -> VerifyCost:
+        return cls(list(points[: len(relative)]), list(relative))
+
+
+def time_forward(runner: ModelRunner, allocator: SlotAllocator, batch: int, tokens_per_seq: int,
+                 context: int = 256, repeats: int = 3) -> float:
+    """Best-of-`repeats` seconds for one forward of `batch` sequences x `tokens_per_seq` queries."""
+    need = batch * (context + tokens_per_seq)
+    slots = allocator.allocate(need)
+    if slots is None:
+        raise ValueError("not enough free KV slots to time a forward pass")
+    try:
+        items = []
+        for b in range(batch):
+            mine = slots[b * (context + tokens_per_seq) : (b + 1) * (context + tokens_per_seq)]
+            n = tokens_per_seq
+            items.append(ForwardItem([7] * n, list(range(context, context + n)), mine[:context],
+                                     mine[context:], None, list(range(n))))
+        best = float("inf")
+        for _ in range(repeats + 1):  # the first run warms up
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            runner.run(items)
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        return best
+    finally:
+        allocator.free(slots)
+
+
+def measure_cost(runner: ModelRunner, allocator: SlotAllocator,
+                 points: tuple[int, ...] = DEFAULT_POINTS, max_tokens: int = 256) -> VerifyCost:
+    pts = [p for p in points if p <= max_tokens]
+    return VerifyCost(pts, [time_forward(runner, allocator, 1, p) for p in pts])
+
+
+def measure_verify_cost(llm, batch_sizes=(1, 16), num_tokens=(1, 2, 4, 8, 16, 32)) -> dict:
+    """Forward ms for `n` query tokens per sequence at each batch size (for `bench speed --json`)."""
+    eng = llm.engine
+    return {f"b{b}": {str(n): 1000 * time_forward(eng.runner, eng.allocator, b, n)
+                      for n in num_tokens} for b in batch_sizes}
