@@ -6,8 +6,19 @@ import pytest
 
 from ngramspec.spec.config import DrafterConfig, make_drafter
 from ngramspec.spec.drafter import NgramDrafter
+from ngramspec.spec.fast.drafter import FastNgramDrafter
 from ngramspec.spec.sam import SuffixAutomaton
 from ngramspec.spec.sources import CONTEXT, CORPUS, TRIE
+
+
+# Behaviour tests run on both backends (pure-Python reference and numba).
+backends = pytest.mark.parametrize("backend", ["python", "numba"])
+
+
+def new_drafter(backend: str, corpora: object = None, **overrides: object) -> NgramDrafter:
+    drafter = make_drafter(DrafterConfig(backend=backend, **overrides), corpora)  # type: ignore
+    assert isinstance(drafter, FastNgramDrafter) == (backend == "numba")
+    return drafter  # type: ignore[return-value]
 
 
 class StubCorpora:
@@ -35,10 +46,11 @@ def best_path(tree) -> list[int]:
         out.append(tree.token_ids[node])
 
 
-def test_copies_from_the_prompt_on_step_one():
+@backends
+def test_copies_from_the_prompt_on_step_one(backend: str):
     # Prompt holds "a b c d e"; it ends with "a b" -> the first draft continues "c d e".
     a, b, c, d, e = 10, 11, 12, 13, 14
-    drafter = NgramDrafter(DrafterConfig())
+    drafter = new_drafter(backend)
     drafter.start("r", [a, b, c, d, e, 99, 98, a, b])
     (tree,) = drafter.propose(["r"], [11])
     assert tree.token_ids[0] == b
@@ -46,15 +58,17 @@ def test_copies_from_the_prompt_on_step_one():
     assert tree.sources[1] == CONTEXT
 
 
-def test_copies_from_a_reference_document():
-    drafter = NgramDrafter(DrafterConfig())
+@backends
+def test_copies_from_a_reference_document(backend: str):
+    drafter = new_drafter(backend)
     drafter.start("r", [7, 1, 2], references=[[5, 1, 2, 3, 4]])
     (tree,) = drafter.propose(["r"], [5])
     assert best_path(tree)[:2] == [3, 4]
 
 
-def test_learns_across_requests_through_the_trie():
-    drafter = NgramDrafter(DrafterConfig())
+@backends
+def test_learns_across_requests_through_the_trie(backend: str):
+    drafter = new_drafter(backend)
     drafter.start("a", [1, 2, 3, 4, 5, 6])
     drafter.stop("a")
     drafter.start("b", [9, 3, 4])
@@ -63,9 +77,10 @@ def test_learns_across_requests_through_the_trie():
     assert tree.sources[1] == TRIE
 
 
-def test_external_corpus_drafts_and_never_crosses_a_separator():
+@backends
+def test_external_corpus_drafts_and_never_crosses_a_separator(backend: str):
     corpora = StubCorpora({"docs": [[1, 2, 3], [4, 5, 6]]})
-    drafter = NgramDrafter(DrafterConfig(), corpora)
+    drafter = new_drafter(backend, corpora)
     drafter.start("r", [8, 1, 2])
     (tree,) = drafter.propose(["r"], [11])
     assert best_path(tree) == [3]  # "1 2 3" then the document ends: no "4 5 6"
@@ -75,9 +90,10 @@ def test_external_corpus_drafts_and_never_crosses_a_separator():
     assert best_path(tree) == [6]
 
 
-def test_corpus_added_later_is_used_and_match_is_incremental():
+@backends
+def test_corpus_added_later_is_used_and_match_is_incremental(backend: str):
     corpora = StubCorpora({})
-    drafter = NgramDrafter(DrafterConfig(), corpora)
+    drafter = new_drafter(backend, corpora)
     drafter.start("r", [8, 1])
     (tree,) = drafter.propose(["r"], [4])
     assert len(tree) == 1
@@ -89,8 +105,9 @@ def test_corpus_added_later_is_used_and_match_is_incremental():
     assert best_path(tree) == [4, 5]
 
 
-def test_budget_caps_the_tree_and_zero_budget_gives_the_root():
-    drafter = NgramDrafter(DrafterConfig(draft_token_num=4))
+@backends
+def test_budget_caps_the_tree_and_zero_budget_gives_the_root(backend: str):
+    drafter = new_drafter(backend, draft_token_num=4)
     drafter.start("r", [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2])
     (small, capped, none) = drafter.propose(["r", "r", "r"], [2, 50, 0])
     assert small.num_drafts == 2
@@ -98,8 +115,9 @@ def test_budget_caps_the_tree_and_zero_budget_gives_the_root():
     assert none.num_drafts == 0 and none.token_ids == [2]
 
 
-def test_calibration_raises_estimates_when_drafts_are_accepted():
-    drafter = NgramDrafter(DrafterConfig())
+@backends
+def test_calibration_raises_estimates_when_drafts_are_accepted(backend: str):
+    drafter = new_drafter(backend)
     period = [3, 1, 4, 1, 5, 9, 2, 6]
     drafter.start("r", period * 2)
     (first,) = drafter.propose(["r"], [11])
@@ -118,9 +136,10 @@ def test_calibration_raises_estimates_when_drafts_are_accepted():
     assert sum(stats["calibration"]["context"]["trials"]) > 0
 
 
-def test_deterministic():
+@backends
+def test_deterministic(backend: str):
     def run() -> list:
-        drafter = NgramDrafter(DrafterConfig(), StubCorpora({"c": [[1, 2, 3, 1, 2, 4]]}))
+        drafter = new_drafter(backend, StubCorpora({"c": [[1, 2, 3, 1, 2, 4]]}))
         drafter.start("a", [1, 2, 3, 1, 2, 4, 1, 2])
         drafter.start("b", [2, 1, 2])
         out = []
@@ -134,9 +153,10 @@ def test_deterministic():
     assert run() == run()
 
 
-def test_reset_clears_learning_but_keeps_corpora():
+@backends
+def test_reset_clears_learning_but_keeps_corpora(backend: str):
     corpora = StubCorpora({"c": [[1, 2, 3]]})
-    drafter = NgramDrafter(DrafterConfig(), corpora)
+    drafter = new_drafter(backend, corpora)
     drafter.start("a", [4, 5, 6, 4, 5])
     drafter.reset()
     assert drafter.trie.num_nodes == 1
@@ -147,8 +167,9 @@ def test_reset_clears_learning_but_keeps_corpora():
     assert best_path(tree) == [3]
 
 
-def test_lifecycle_errors():
-    drafter = NgramDrafter(DrafterConfig())
+@backends
+def test_lifecycle_errors(backend: str):
+    drafter = new_drafter(backend)
     drafter.start("a", [1])
     with pytest.raises(ValueError):
         drafter.start("a", [1])
@@ -174,6 +195,7 @@ def test_lifecycle_errors():
         ({"external_corpus_max_tokens": 0}, "external_corpus_max_tokens"),
         ({"max_context_match": 0}, "max_context_match"),
         ({"min_path_prob": 1.0}, "min_path_prob"),
+        ({"backend": "cuda"}, "backend"),
     ],
 )
 def test_config_validation_names_the_field(kwargs, field):
@@ -193,3 +215,6 @@ def test_sglang_defaults_and_make_drafter():
     with pytest.raises(ValueError):
         DrafterConfig.sglang(nonsense=1)
     assert isinstance(make_drafter(DrafterConfig()), NgramDrafter)
+    # The default (auto) backend is the compiled one whenever numba is importable.
+    assert isinstance(make_drafter(DrafterConfig()), FastNgramDrafter)
+    assert type(make_drafter(DrafterConfig(backend="python"))) is NgramDrafter

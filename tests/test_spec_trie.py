@@ -12,7 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ngramspec.spec.config import DEFAULT_CAPACITY
-from ngramspec.spec.trie import ROOT, NgramTrie, TrieState
+from ngramspec.spec.fast.trie import FastTrie
+from ngramspec.spec.trie import ROOT, NgramTrie
+
+# Every test runs on the pure-Python reference and on the numba trie (same API, same results).
+backends = pytest.mark.parametrize("trie_cls", [NgramTrie, FastTrie], ids=["python", "numba"])
 
 streams_strategy = st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=30), min_size=1,
                             max_size=3)
@@ -27,7 +31,7 @@ def naive_ngrams(streams: list[list[int]], max_depth: int) -> Counter:
     return counts
 
 
-def trie_ngrams(trie: NgramTrie) -> dict[tuple[int, ...], int]:
+def trie_ngrams(trie: NgramTrie | FastTrie) -> dict[tuple[int, ...], int]:
     out = {}
     frontier = [(ROOT, ())]
     while frontier:
@@ -38,9 +42,9 @@ def trie_ngrams(trie: NgramTrie) -> dict[tuple[int, ...], int]:
     return out
 
 
-def feed_interleaved(trie: NgramTrie, streams: list[list[int]], chunk: int) -> None:
+def feed_interleaved(trie: NgramTrie | FastTrie, streams: list[list[int]], chunk: int) -> None:
     """Commit each stream `chunk` tokens at a time, round-robin, like concurrent requests."""
-    states = [TrieState() for _ in streams]
+    states = [trie.new_state() for _ in streams]
     done = [0] * len(streams)
     while any(d < len(s) for d, s in zip(done, streams)):
         for i, s in enumerate(streams):
@@ -50,20 +54,22 @@ def feed_interleaved(trie: NgramTrie, streams: list[list[int]], chunk: int) -> N
                 done[i] = end
 
 
+@backends
 @settings(max_examples=60, deadline=None)
 @given(streams_strategy, st.integers(2, 6), st.integers(1, 4))
-def test_counts_equal_naive_ngram_counts(streams, max_depth, chunk):
-    trie = NgramTrie(capacity=100_000, max_depth=max_depth)
+def test_counts_equal_naive_ngram_counts(trie_cls, streams, max_depth, chunk):
+    trie = trie_cls(capacity=100_000, max_depth=max_depth)
     feed_interleaved(trie, streams, chunk)
     assert trie_ngrams(trie) == dict(naive_ngrams(streams, max_depth))
     assert trie.num_nodes == 1 + len(naive_ngrams(streams, max_depth))
 
 
+@backends
 @settings(max_examples=60, deadline=None)
 @given(streams_strategy, st.integers(2, 5), st.integers(1, 3), st.integers(1, 25))
-def test_eviction_invariants(streams, max_depth, chunk, extra):
+def test_eviction_invariants(trie_cls, streams, max_depth, chunk, extra):
     capacity = max_depth + extra
-    trie = NgramTrie(capacity=capacity, max_depth=max_depth)
+    trie = trie_cls(capacity=capacity, max_depth=max_depth)
     feed_interleaved(trie, streams, chunk)
     assert trie.num_nodes <= capacity
     stored = trie_ngrams(trie)
@@ -81,7 +87,7 @@ def test_eviction_invariants(streams, max_depth, chunk, extra):
         frontier.extend(child for _, child, _ in trie.children(node))
 
 
-def brute_anchors(trie: NgramTrie, context: list[int]) -> list[tuple[int, int]]:
+def brute_anchors(trie: NgramTrie | FastTrie, context: list[int]) -> list[tuple[int, int]]:
     out = []
     for k in range(min(trie.max_depth, len(context)), 0, -1):
         node = trie.lookup(context[len(context) - k :])
@@ -90,12 +96,13 @@ def brute_anchors(trie: NgramTrie, context: list[int]) -> list[tuple[int, int]]:
     return out
 
 
+@backends
 @settings(max_examples=60, deadline=None)
 @given(streams_strategy, st.integers(2, 5), st.integers(1, 3), st.integers(1, 40))
-def test_anchors_never_stale(streams, max_depth, chunk, extra):
+def test_anchors_never_stale(trie_cls, streams, max_depth, chunk, extra):
     """After other requests insert (and evict), incremental anchors equal a stateless walk."""
-    trie = NgramTrie(capacity=max_depth + extra, max_depth=max_depth)
-    states = [TrieState() for _ in streams]
+    trie = trie_cls(capacity=max_depth + extra, max_depth=max_depth)
+    states = [trie.new_state() for _ in streams]
     done = [0] * len(streams)
     while any(d < len(s) for d, s in zip(done, streams)):
         for i, s in enumerate(streams):
@@ -108,11 +115,12 @@ def test_anchors_never_stale(streams, max_depth, chunk, extra):
             assert trie.anchors(states[i], ctx) == brute_anchors(trie, ctx)
 
 
-def test_longest_suffix_found_after_another_request_inserts():
+@backends
+def test_longest_suffix_found_after_another_request_inserts(trie_cls):
     # SGLang's caveat (§2.3): a null anchor is never re-probed. Here request B's anchors
     # must see "1 2 3 -> 4" as soon as request A inserted it.
-    trie = NgramTrie(capacity=1000, max_depth=4)
-    a, b = TrieState(), TrieState()
+    trie = trie_cls(capacity=1000, max_depth=4)
+    a, b = trie.new_state(), trie.new_state()
     trie.extend(b, [9, 2, 3], 0)
     trie.extend(a, [1, 2, 3, 4], 0)
     anchors = trie.anchors(b, [9, 2, 3])
@@ -120,9 +128,10 @@ def test_longest_suffix_found_after_another_request_inserts():
     assert trie.children(anchors[0][0]) == [(4, trie.lookup([2, 3, 4]), 1)]
 
 
-def test_reset_invalidates_states():
-    trie = NgramTrie(capacity=100, max_depth=3)
-    state = TrieState()
+@backends
+def test_reset_invalidates_states(trie_cls):
+    trie = trie_cls(capacity=100, max_depth=3)
+    state = trie.new_state()
     trie.extend(state, [1, 2, 1, 2], 0)
     trie.reset()
     assert trie.num_nodes == 1
@@ -131,38 +140,50 @@ def test_reset_invalidates_states():
     assert trie.lookup([1]) >= 0
 
 
-def test_capacity_must_exceed_depth():
+@backends
+def test_capacity_must_exceed_depth(trie_cls):
     with pytest.raises(ValueError):
-        NgramTrie(capacity=4, max_depth=4)
+        trie_cls(capacity=4, max_depth=4)
 
 
+@backends
 @settings(max_examples=30, deadline=None)
 @given(streams_strategy, st.integers(2, 5), st.integers(0, 30))
-def test_arrays_round_trip(streams, max_depth, extra):
-    trie = NgramTrie(capacity=max_depth + 1 + extra, max_depth=max_depth)
+def test_arrays_round_trip(trie_cls, streams, max_depth, extra):
+    trie = trie_cls(capacity=max_depth + 1 + extra, max_depth=max_depth)
     feed_interleaved(trie, streams, 2)
     meta, arrays = trie.to_arrays()
-    again = NgramTrie.from_arrays(meta, {k: np.copy(v) for k, v in arrays.items()})
+    again = trie_cls.from_arrays(meta, {k: np.copy(v) for k, v in arrays.items()})
     assert trie_ngrams(again) == trie_ngrams(trie)
     assert again.num_nodes == trie.num_nodes
     # Same future: continue both with the same stream and compare.
     tail = [1, 2, 3, 1, 2, 3]
-    trie.extend(TrieState(), tail, 0)
-    again.extend(TrieState(), tail, 0)
+    trie.extend(trie.new_state(), tail, 0)
+    again.extend(trie.new_state(), tail, 0)
     assert trie_ngrams(again) == trie_ngrams(trie)
 
 
-def test_from_arrays_rejects_bad_input():
-    trie = NgramTrie(capacity=100, max_depth=3)
-    trie.extend(TrieState(), [1, 2, 3], 0)
+@backends
+def test_from_arrays_rejects_bad_input(trie_cls):
+    trie = trie_cls(capacity=100, max_depth=3)
+    trie.extend(trie.new_state(), [1, 2, 3], 0)
     meta, arrays = trie.to_arrays()
     with pytest.raises(ValueError):
-        NgramTrie.from_arrays({**meta, "version": 7}, arrays)
+        trie_cls.from_arrays({**meta, "version": 7}, arrays)
     with pytest.raises(ValueError):
-        NgramTrie.from_arrays({**meta, "num_nodes": 2}, arrays)
+        trie_cls.from_arrays({**meta, "num_nodes": 2}, arrays)
+    trie.extend(trie.new_state(), [1, 3], 0)  # root children: 1 and 3 (count 2), then 2
+    meta, arrays = trie.to_arrays()
+    assert arrays["token"][1:4].tolist() == [1, 3, 2]
+    assert arrays["count"][1:4].tolist() == [2, 2, 1]
+    swapped = dict(arrays, count=arrays["count"].copy())
+    swapped["count"][1:4] = [2, 1, 2]  # siblings out of count order
+    with pytest.raises(ValueError, match="count order"):
+        trie_cls.from_arrays(meta, swapped)
 
 
-def test_bytes_per_node_budget():
+@backends
+def test_bytes_per_node_budget(trie_cls):
     """The default capacity must keep a full trie under 1 GiB; measured on a chain-heavy stream."""
     rng = np.random.default_rng(0)
     phrases = [rng.integers(0, 30_000, size=rng.integers(3, 10)).tolist() for _ in range(200)]
@@ -171,8 +192,8 @@ def test_bytes_per_node_budget():
         stream.extend(phrases[int(rng.integers(0, 200))])
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    trie = NgramTrie(capacity=10_000_000, max_depth=18)
-    trie.extend(TrieState(), stream, 0)
+    trie = trie_cls(capacity=10_000_000, max_depth=18)
+    trie.extend(trie.new_state(), stream, 0)
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     per_node = (after - before) / trie.num_nodes

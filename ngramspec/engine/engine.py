@@ -53,7 +53,8 @@ class StepOutput:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, corpora=None) -> None:
+        """`corpora`: an ExternalCorpora the drafter reads (speculative="ngram" only)."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -68,6 +69,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_cfg, load_state_dict(model_dir), num_slots,
                                   self.max_model_len, dtype, device)
         self.allocator = SlotAllocator(num_slots)
+        # A sequence longer than the whole cache could never be rescheduled (it would wait forever),
+        # so it must end with "length" before it gets there.
+        self.max_model_len = min(self.max_model_len, self.allocator.num_usable)
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = self._eos_ids()
         self.stats = EngineStats()
@@ -76,7 +80,7 @@ class LLMEngine:
         if config.speculative == "ngram":
             from ngramspec.engine.speculator import Speculator
 
-            self.speculator = Speculator(config, self)
+            self.speculator = Speculator(config, self, corpora)
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
 

@@ -74,8 +74,10 @@ class ModelRunner:
             mask=mask,
             output_index=torch.tensor(out_rows, device=dev),
         )
+        # dtype is explicit: a step of mid-prompt chunks only needs no logits, and an empty
+        # tensor would default to float, which cannot index.
         return (torch.tensor(flat_ids, device=dev), torch.tensor(flat_pos, device=dev), meta,
-                torch.tensor(logit_rows, device=dev))
+                torch.tensor(logit_rows, dtype=torch.long, device=dev))
 
     def _local_mask(self, it: ForwardItem) -> torch.Tensor:
         if it.local_mask is not None:

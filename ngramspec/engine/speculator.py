@@ -52,6 +52,9 @@ class Speculator:
             trees = [tree.prefix(k) for tree, k in zip(trees, sizes)]
         out: dict[int, DraftTree] = {}
         for chunk, tree in zip(chunks, trees):
+            # The root is the sequence's last token whatever the drafter says: never trust a
+            # drafter with what the model sees.
+            tree.token_ids[0] = chunk.seq.token_ids[-1]
             if tree.num_drafts:
                 slots = self.engine.allocator.allocate(tree.num_drafts)
                 if slots is None:  # cache too full to speculate this step: plain decode

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
+import numpy as np
+
 from ngramspec.spec.sources import NUM_SOURCES, SOURCE_NAMES
 
 # Upper edges (inclusive) of the matched-length buckets: 1, 2, 3, 4, 5-6, 7-8, 9-12, ... , 33+.
@@ -66,5 +68,43 @@ class AcceptanceCalibrator:
                     a / t if t else 0.0 for a, t in zip(self._accepted[source], trials)
                 ],
                 "factor": list(self._factor[source]),
+            }
+        return out
+
+
+class ArrayCalibrator(AcceptanceCalibrator):
+    """The same calibration kept in one float64 array that the numba kernels update in place.
+
+    cal[0] raw sums, cal[1] acceptances, cal[2] trials, cal[3] factors, each [source, bucket];
+    `prior` = (prior mass, prior weight). Same arithmetic in the same order as the lists of
+    AcceptanceCalibrator, so both give bit-identical estimates.
+    """
+
+    def reset(self) -> None:
+        self.cal = np.zeros((4, NUM_SOURCES, NUM_BUCKETS), np.float64)
+        self.cal[3] = self.prior_factor
+        self.prior = np.array([self.prior_weight * self.prior_factor, self.prior_weight])
+
+    def estimate(self, source: int, length: int, raw: float) -> float:
+        factor = float(self.cal[3, source, length_bucket(length)]) if self.enabled else 1.0
+        return min(MAX_CONDITIONAL, raw * factor)
+
+    def observe(self, source: int, length: int, raw: float, accepted: bool) -> None:
+        cal, b = self.cal, length_bucket(length)
+        cal[0, source, b] += raw
+        cal[1, source, b] += 1.0 if accepted else 0.0
+        cal[2, source, b] += 1
+        mass, weight = self.prior
+        cal[3, source, b] = (cal[1, source, b] + mass) / (cal[0, source, b] + weight)
+
+    def stats(self) -> dict[str, dict[str, list[float]]]:
+        out = {}
+        for source, name in SOURCE_NAMES.items():
+            trials = [int(t) for t in self.cal[2, source].tolist()]
+            accepted = self.cal[1, source].tolist()
+            out[name] = {
+                "trials": trials,
+                "accept_rate": [a / t if t else 0.0 for a, t in zip(accepted, trials)],
+                "factor": self.cal[3, source].tolist(),
             }
         return out

@@ -11,8 +11,11 @@ if TYPE_CHECKING:
 
 # Measured bytes per live trie node of spec/trie.py (parallel Python lists, one global edge dict,
 # CPython 3.11; tests/test_spec_trie.py::test_bytes_per_node_budget): about 270 B on chain-heavy
-# text, so 3M nodes stay near 0.8 GiB. SGLang's C++ node is 176 B and preallocated (10M nodes =
-# 1.76 GB up front); ours are allocated on demand, so capacity is a bound, not an up-front cost.
+# text, so 3M nodes stay near 0.8 GiB. The numba trie (spec/fast/trie.py) needs 47-53 B per node
+# fully grown (a 36 B record plus two id-only hash tables), i.e. 0.14 GiB at 3M and 0.79 GiB at
+# 16M; the default stays at 3M because it must also suit the Python backend. SGLang's C++ node is
+# 176 B and preallocated (10M nodes = 1.76 GB up front); ours grow on demand, so capacity is a
+# bound, not an up-front cost.
 DEFAULT_CAPACITY = 3_000_000
 SGLANG_CAPACITY = 10_000_000
 
@@ -25,6 +28,9 @@ class CorpusSnapshot(Protocol):
 @dataclass(slots=True)
 class DrafterConfig:
     preset: str = "ngramspec"  # "ngramspec" (ours) | "sglang" (faithful SGLang NGRAM)
+    # ngramspec preset: "numba" (compiled, spec/fast/), "python" (the reference) or "auto"
+    # (numba when importable). Both give identical trees.
+    backend: str = "auto"
     draft_token_num: int = 12  # tree size including the root (SGLang's d); drafts = d - 1
     max_trie_depth: int = 18  # D: longest n-gram stored in the trie
     min_bfs_breadth: int = 1
@@ -46,6 +52,8 @@ class DrafterConfig:
     def __post_init__(self) -> None:
         _check(self.preset in ("ngramspec", "sglang"), "preset", "must be 'ngramspec' or 'sglang'")
         _check(self.match_type in ("BFS", "PROB"), "match_type", "must be 'BFS' or 'PROB'")
+        _check(self.backend in ("auto", "python", "numba"), "backend",
+               "must be 'auto', 'python' or 'numba'")
         _check(self.draft_token_num > 0, "draft_token_num", "must be > 0")
         _check(self.max_trie_depth > 1, "max_trie_depth", "must be > 1")
         _check(self.min_bfs_breadth > 0, "min_bfs_breadth", "must be > 0")
@@ -103,6 +111,23 @@ def make_drafter(config: DrafterConfig, corpora: CorpusSnapshot | None = None) -
         from ngramspec.spec.sglang import SGLangDrafter
 
         return SGLangDrafter(config, corpora)
+    if resolve_backend(config.backend) == "numba":
+        from ngramspec.spec.fast.drafter import FastNgramDrafter
+
+        return FastNgramDrafter(config, corpora)
     from ngramspec.spec.drafter import NgramDrafter
 
     return NgramDrafter(config, corpora)
+
+
+def resolve_backend(backend: str) -> str:
+    """"python" or "numba" ("auto" = numba when importable); numba missing is an error."""
+    from ngramspec.spec.fast import numba_available
+
+    if backend == "python":
+        return "python"
+    if numba_available():
+        return "numba"
+    if backend == "numba":
+        raise ValueError("DrafterConfig.backend 'numba' needs numba installed")
+    return "python"

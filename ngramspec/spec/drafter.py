@@ -61,8 +61,8 @@ class NgramDrafter:
         self._reset_counters()
 
     def _reset_counters(self) -> None:
-        self._proposed = [0] * NUM_SOURCES  # drafted nodes, by winning source
-        self._accepted = [0] * NUM_SOURCES
+        # [0, NUM_SOURCES): drafted nodes by winning source; then accepted ones.
+        self._counts: list[int] = [0] * (2 * NUM_SOURCES)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -137,7 +137,7 @@ class NgramDrafter:
             probs.append(-neg_prob)
             sources.append(source)
             evidence.append(proof)
-            self._proposed[source] += 1
+            self._counts[source] += 1
             if len(tokens) <= budget:  # children of the last node could never be placed
                 seq = self._push_children(heap, seq, slot, -neg_prob, cursors)
         return DraftTree(tokens, parents, probs, sources), evidence
@@ -188,7 +188,7 @@ class NgramDrafter:
             (CONTEXT, (req.context, ends, 0), m) for m, ends in req.context.anchors(k)
         ]
         last_count, num_trie = -1, 0
-        for node, length in self.trie.anchors(req.trie_state, req.tokens):
+        for node, length in self._trie_anchors(req):
             count = self.trie.count(node)
             if count != last_count and num_trie < k:
                 # A shorter suffix with an equal count has the same occurrences: skip it.
@@ -199,6 +199,9 @@ class NgramDrafter:
             for state, length in sam.anchors(match.state, match.length)[:k]:
                 cursors.append((CORPUS, (sam, state), length))
         return cursors
+
+    def _trie_anchors(self, req: _Request) -> list[tuple[int, int]]:
+        return self.trie.anchors(req.trie_state, req.tokens)
 
     def _sam_match(self, req: _Request, name: str, sam: SuffixAutomaton) -> _SamMatch:
         """The request's incremental longest-suffix match in `sam` (rebuilt if sam changed)."""
@@ -224,14 +227,15 @@ class NgramDrafter:
                 continue  # never judged by the verifier: no information
             ok = node in accepted
             if ok:
-                self._accepted[tree.sources[node]] += 1
+                self._counts[NUM_SOURCES + tree.sources[node]] += 1
             for source, length, raw in evidence[node]:
                 self.calibrator.observe(source, length, raw, ok)
 
     def stats(self) -> dict:
         """Drafted/accepted nodes per winning source, calibration tables, trie size."""
         per_source = {
-            name: {"proposed": self._proposed[s], "accepted": self._accepted[s]}
+            name: {"proposed": int(self._counts[s]),
+                   "accepted": int(self._counts[NUM_SOURCES + s])}
             for s, name in SOURCE_NAMES.items()
         }
         return {

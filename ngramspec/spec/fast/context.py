@@ -5,7 +5,8 @@ same wrapping polynomial hash as ContextIndex), one open-addressing table (windo
 -> latest end position, and `prev[pos * max_match + m - 1]`, the previous end position of the
 m-window ending at pos. The chain from the newest token lists the earlier occurrences of each
 suffix newest first, which is what `ContextIndex.anchors` returns (oldest first).
-`st` (int64): number of tokens, number of live hashes, table entries.
+`st` (int64): number of tokens, number of live hashes, table entries, then the occurrence count
+of each suffix (so anchors need not walk chains to count).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from ngramspec.spec.context_index import HASH_BASE
 from ngramspec.spec.fast import hashtab as ht
 from ngramspec.spec.sam import SEPARATOR
 
-NUM, NUM_HASHES, ENTRIES = range(3)
+NUM, NUM_HASHES, ENTRIES, SUFFIX_COUNTS = range(4)  # st[SUFFIX_COUNTS + m - 1]: m-suffix count
 
 
 @njit(cache=True)
@@ -33,6 +34,7 @@ def _slot(keys: np.ndarray, lens: np.ndarray, h: np.uint64, m: int) -> int:
 @njit(cache=True)
 def append(tok: np.ndarray, prev: np.ndarray, hashes: np.ndarray, keys: np.ndarray,
            lens: np.ndarray, vals: np.ndarray, st: np.ndarray, new: np.ndarray) -> None:
+    """Index `new`; vals[slot] = (latest end position, occurrences so far) per window."""
     max_match = hashes.shape[0]
     base = np.uint64(HASH_BASE)
     for t in new:
@@ -53,10 +55,13 @@ def append(tok: np.ndarray, prev: np.ndarray, hashes: np.ndarray, keys: np.ndarr
             if lens[i] == 0:
                 keys[i], lens[i] = hashes[m], m + 1
                 prev[pos * max_match + m] = -1
+                vals[i, 1] = 0
                 st[ENTRIES] += 1
             else:
-                prev[pos * max_match + m] = vals[i]
-            vals[i] = pos
+                prev[pos * max_match + m] = vals[i, 0]
+            vals[i, 0] = pos
+            vals[i, 1] += 1
+            st[SUFFIX_COUNTS + m] = vals[i, 1]
 
 
 @njit(cache=True)
@@ -65,7 +70,8 @@ def rehash(keys: np.ndarray, lens: np.ndarray, vals: np.ndarray, new_keys: np.nd
     for i in range(keys.shape[0]):
         if lens[i] != 0:
             j = _slot(new_keys, new_lens, keys[i], lens[i])
-            new_keys[j], new_lens[j], new_vals[j] = keys[i], lens[i], vals[i]
+            new_keys[j], new_lens[j] = keys[i], lens[i]
+            new_vals[j, 0], new_vals[j, 1] = vals[i, 0], vals[i, 1]
 
 
 @njit(cache=True)
@@ -79,19 +85,16 @@ def anchors(prev: np.ndarray, st: np.ndarray, max_match: int, max_anchors: int,
     k, last = 0, 0
     newest = st[NUM] - 1
     for m in range(st[NUM_HASHES], 0, -1):
-        count = 0
-        q = prev[newest * max_match + m - 1]
-        while q >= 0 and count < max_occurrences:
-            count += 1
-            q = prev[q * max_match + m - 1]
+        count = st[SUFFIX_COUNTS + m - 1] - 1  # the last occurrence is the suffix itself
         if count <= last:
             continue
+        kept = min(count, max_occurrences)
         q = prev[newest * max_match + m - 1]
-        for i in range(count - 1, -1, -1):  # oldest first
+        for i in range(kept - 1, -1, -1):  # oldest first
             pool[pool_used + i] = q
             q = prev[q * max_match + m - 1]
-        out_len[k], out_start[k], out_num[k] = m, pool_used, count
-        pool_used += count
+        out_len[k], out_start[k], out_num[k] = m, pool_used, kept
+        pool_used += kept
         k += 1
         last = count
         if k == max_anchors or count >= max_occurrences:
@@ -103,16 +106,21 @@ class FastContextIndex:
     def __init__(self, max_match: int, max_occurrences: int) -> None:
         if max_match < 1 or max_occurrences < 1:
             raise ValueError("max_match and max_occurrences must be >= 1")
+        if max_match > 127:
+            raise ValueError("the fast index stores window lengths as int8: max_match <= 127")
         self.max_match = max_match
         self.max_occurrences = max_occurrences
-        self.st = np.zeros(3, np.int64)
+        self.st = np.zeros(SUFFIX_COUNTS + max_match, np.int64)
         self.hashes = np.zeros(max_match, np.uint64)
         self.tok = np.zeros(256, np.int32)
         self.prev = np.zeros(256 * max_match, np.int32)
         size = ht.table_size(1024)
         self.keys = np.zeros(size, np.uint64)
         self.lens = np.zeros(size, np.int8)
-        self.vals = np.zeros(size, np.int32)
+        self.vals = np.zeros((size, 2), np.int32)
+        # Python-side mirrors for the growth checks of `reserve` (numpy scalar reads are slow).
+        self._num = 0
+        self._entries_bound = 0  # >= table entries: every token adds at most max_match
 
     def __len__(self) -> int:
         return int(self.st[NUM])
@@ -132,17 +140,20 @@ class FastContextIndex:
         append(self.tok, self.prev, self.hashes, self.keys, self.lens, self.vals, self.st, new)
 
     def reserve(self, count: int) -> None:
-        """Room for `count` more tokens (the arrays and the table grow by doubling)."""
-        need = int(self.st[NUM]) + count
-        if need > len(self.tok):
-            size = max(need, 2 * len(self.tok))
+        """Room for `count` more tokens; the caller then appends exactly `count` tokens."""
+        self._num += count
+        if self._num > len(self.tok):
+            size = max(self._num, 2 * len(self.tok))
             self.tok = _grown(self.tok, size)
             self.prev = _grown(self.prev, size * self.max_match)
-        entries = int(self.st[ENTRIES]) + count * self.max_match
-        if entries * 4 > len(self.keys) * 3:
-            size = ht.table_size(entries)
+        self._entries_bound += count * self.max_match
+        if self._entries_bound * 4 <= len(self.keys) * 3:
+            return
+        self._entries_bound = int(self.st[ENTRIES]) + count * self.max_match
+        if self._entries_bound * 4 > len(self.keys) * 3:
+            size = ht.table_size(2 * self._entries_bound)
             keys, lens = np.zeros(size, np.uint64), np.zeros(size, np.int8)
-            vals = np.zeros(size, np.int32)
+            vals = np.zeros((size, 2), np.int32)
             rehash(self.keys, self.lens, self.vals, keys, lens, vals)
             self.keys, self.lens, self.vals = keys, lens, vals
 

@@ -35,14 +35,14 @@ def home(table: np.ndarray, key: np.int64) -> np.int64:
 
 @njit(cache=True)
 def find(table: np.ndarray, cols: np.ndarray, ca: int, cb: int, a: int, b: int) -> int:
-    """Node n with (cols[ca, n], cols[cb, n]) == (a, b), or -1."""
+    """Node n with (cols[n, ca], cols[n, cb]) == (a, b), or -1."""
     mask = table.shape[0] - 1
     i = home(table, pair_key(a, b))
     while True:
         n = table[i]
         if n == EMPTY:
             return -1
-        if cols[ca, n] == a and cols[cb, n] == b:
+        if cols[n, ca] == a and cols[n, cb] == b:
             return n
         i = (i + 1) & mask
 
@@ -69,14 +69,14 @@ def insert(table: np.ndarray, node: int, key: np.int64) -> None:
 def remove(table: np.ndarray, cols: np.ndarray, ca: int, cb: int, node: int) -> None:
     """Delete `node` (its key columns must still hold the key it was inserted with)."""
     mask = table.shape[0] - 1
-    i = slot_of(table, node, pair_key(cols[ca, node], cols[cb, node]))
+    i = slot_of(table, node, pair_key(cols[node, ca], cols[node, cb]))
     j = i
     while True:
         j = (j + 1) & mask
         n = table[j]
         if n == EMPTY:
             break
-        k = home(table, pair_key(cols[ca, n], cols[cb, n]))
+        k = home(table, pair_key(cols[n, ca], cols[n, cb]))
         # Entry j may move back to i only if its home is not cyclically in (i, j].
         stays = (i < k <= j) if i <= j else (i < k or k <= j)
         if not stays:
@@ -88,7 +88,7 @@ def remove(table: np.ndarray, cols: np.ndarray, ca: int, cb: int, node: int) -> 
 @njit(cache=True)
 def replace(table: np.ndarray, cols: np.ndarray, ca: int, cb: int, old: int, new: int) -> None:
     """Swap the node stored for a key for another node with the same key."""
-    table[slot_of(table, old, pair_key(cols[ca, old], cols[cb, old]))] = new
+    table[slot_of(table, old, pair_key(cols[old, ca], cols[old, cb]))] = new
 
 
 def table_size(entries: int) -> int:

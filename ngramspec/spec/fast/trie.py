@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ngramspec.spec.fast import hashtab as ht
+from ngramspec.spec.fast import trie_bulk as tb
 from ngramspec.spec.fast import trie_kernels as tk
 from ngramspec.spec.trie import FORMAT_VERSION, check_trie_meta
 
@@ -46,9 +47,9 @@ class FastTrie:
         self._clear(min(capacity, _INITIAL_NODES))
 
     def _clear(self, allocated: int) -> None:
-        self.cols = np.full((tk.NUM_COLS, allocated), -1, np.int32)
-        self.cols[tk.TOK, tk.ROOT], self.cols[tk.CNT, tk.ROOT] = tk.SEPARATOR, 0
-        self.cols[tk.VER, tk.ROOT] = 0
+        self.cols = np.full((allocated, tk.NUM_COLS), -1, np.int32)
+        self.cols[tk.ROOT, tk.TOK], self.cols[tk.ROOT, tk.CNT] = tk.SEPARATOR, 0
+        self.cols[tk.ROOT, tk.VER] = 0
         size = ht.table_size(allocated)
         self.edges = np.full(size, -1, np.int32)
         self.runs = np.full(size, -1, np.int32)
@@ -75,26 +76,26 @@ class FastTrie:
 
     def bytes_per_node(self) -> float:
         """Bytes held per allocated node slot (columns plus both hash tables)."""
-        return self.nbytes() / self.cols.shape[1]
+        return self.nbytes() / self.cols.shape[0]
 
     # ----------------------------------------------------------------- reads
 
     def count(self, node: int) -> int:
-        return int(self.cols[tk.CNT, node])
+        return int(self.cols[node, tk.CNT])
 
     def token(self, node: int) -> int:
-        return int(self.cols[tk.TOK, node])
+        return int(self.cols[node, tk.TOK])
 
     def child(self, node: int, token: int) -> int:
-        return int(ht.find(self.edges, self.cols, tk.PAR, tk.TOK, node, token))
+        return int(tk.child_of(self.cols, self.edges, node, token))
 
     def children(self, node: int, limit: int | None = None) -> list[tuple[int, int, int]]:
         """(token, child, count), most frequent first."""
-        rows = tk.children(self.cols, node, self.capacity if limit is None else limit)
+        rows = tb.children(self.cols, node, self.capacity if limit is None else limit)
         return [tuple(r) for r in rows.tolist()]
 
     def has_children(self, node: int) -> bool:
-        return bool(self.cols[tk.FIRST, node] != -1)
+        return bool(self.cols[node, tk.FIRST] != -1)
 
     def lookup(self, tokens: list[int]) -> int:
         ctx = as_context(tokens)
@@ -107,7 +108,7 @@ class FastTrie:
         n = len(ctx) if length is None else length
         self._sync(state)
         tk.refresh(self.cols, self.edges, self.meta, state.arr, ctx, n)
-        arr, first = state.arr, self.cols[tk.FIRST]
+        arr, first = state.arr, self.cols[:, tk.FIRST]
         return [(int(arr[1 + k]), k + 1) for k in range(int(arr[0]) - 1, -1, -1)
                 if arr[1 + k] >= 0 and first[arr[1 + k]] != -1]
 
@@ -134,31 +135,31 @@ class FastTrie:
 
     def reserve(self, new_nodes: int) -> None:
         """Grow the columns (and re-hash) so `new_nodes` more fit, up to the capacity."""
-        allocated = self.cols.shape[1]
+        allocated = self.cols.shape[0]
         need = self.num_nodes + new_nodes
         if need <= allocated or allocated >= self.capacity:
             return
         grown = min(self.capacity, max(2 * allocated, need))
-        cols = np.full((tk.NUM_COLS, grown), -1, np.int32)
-        cols[:, :allocated] = self.cols
+        cols = np.full((grown, tk.NUM_COLS), -1, np.int32)
+        cols[:allocated] = self.cols
         self.cols = cols
         size = ht.table_size(grown)
         if size > len(self.edges):
             self.edges = np.full(size, -1, np.int32)
             self.runs = np.full(size, -1, np.int32)
-            tk.rehash(self.cols, self.edges, self.runs, self.num_nodes)
+            tb.rehash(self.cols, self.edges, self.runs, self.num_nodes)
 
     # ----------------------------------------------------------------- persistence
 
     def to_arrays(self) -> tuple[dict, dict[str, np.ndarray]]:
         """The same arrays and meta as NgramTrie.to_arrays (BFS order, leaf LRU)."""
-        order, index, lru = tk.bfs_order(self.cols, self.meta)
-        parents = self.cols[tk.PAR, order].astype(np.int64)
+        order, index, lru = tb.bfs_order(self.cols, self.meta)
+        parents = self.cols[order, tk.PAR].astype(np.int64)
         parents[1:] = index[parents[1:]]
         arrays = {
-            "token": self.cols[tk.TOK, order].astype(np.int64),
+            "token": self.cols[order, tk.TOK].astype(np.int64),
             "parent": parents,
-            "count": self.cols[tk.CNT, order].astype(np.int64),
+            "count": self.cols[order, tk.CNT].astype(np.int64),
             "lru": lru.copy(),
         }
         meta = {"format": "ngramspec.trie", "version": FORMAT_VERSION,
@@ -172,7 +173,7 @@ class FastTrie:
         trie = cls(int(meta["capacity"]), int(meta["max_depth"]))
         num = len(arrays["token"])
         trie._clear(max(num, min(trie.capacity, _INITIAL_NODES)))
-        bad = tk.restore(trie.cols, trie.edges, trie.runs, trie.meta,
+        bad = tb.restore(trie.cols, trie.edges, trie.runs, trie.meta,
                          np.asarray(arrays["token"], np.int64),
                          np.asarray(arrays["parent"], np.int64),
                          np.asarray(arrays["count"], np.int64),

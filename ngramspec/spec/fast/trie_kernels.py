@@ -1,14 +1,18 @@
 """numba kernels of the fast global trie (see fast/trie.py for the layout and the semantics).
 
-Node columns (`cols`, int32 [NUM_COLS, allocated]):
+Node records (`cols`, int32 [allocated, NUM_COLS]; one 36-byte row per node, so a node is one
+cache line):
   TOK, PAR, CNT         token, parent, occurrence count
   FIRST, NEXT, PREV     children as a linked list sorted by count desc; PREV of the first child
                         is the last child (O(1) append), NEXT of the last is -1
   LPREV, LNEXT          the leaf LRU list (front = least recently touched)
   VER                   bumped when the id is evicted, so request anchors can tell staleness
-Two id-only hash tables (fast/hashtab.py): `edges` keyed (PAR, TOK) and `runs` keyed (PAR, CNT),
-the latter holding the FIRST child of each run of equal-count siblings. The run head is what
-`NgramTrie._bubble_up` finds by bisection: an incremented child swaps with it (same tie-breaking).
+Two id-only hash tables (fast/hashtab.py): `edges` keyed (PAR, TOK) holding every node that has
+a sibling (an only child is found through its parent's FIRST, so chains, most of a deep trie,
+cost no hashing), and `runs` keyed (PAR, CNT),
+the latter holding the first child of each run of two or more equal-count siblings. The run head
+is what `NgramTrie._bubble_up` finds by bisection: an incremented child swaps with it (same
+tie-breaking).
 `meta` (int64): NUM, LRU_HEAD, LRU_TAIL, EVICTED, CAPACITY, DEPTH.
 A request state (int32 [1 + 2 * depth]): count, anchors[depth], versions[depth].
 """
@@ -32,59 +36,59 @@ ROOT = 0
 
 @njit(cache=True)
 def _unlink(cols: np.ndarray, x: int) -> None:
-    p, nx, pv = cols[PAR, x], cols[NEXT, x], cols[PREV, x]
-    first = cols[FIRST, p]
+    p, nx, pv = cols[x, PAR], cols[x, NEXT], cols[x, PREV]
+    first = cols[p, FIRST]
     if first == x:
-        cols[FIRST, p] = nx
+        cols[p, FIRST] = nx
         if nx != -1:
-            cols[PREV, nx] = pv  # pv is the last child
+            cols[nx, PREV] = pv  # pv is the last child
     else:
-        cols[NEXT, pv] = nx
+        cols[pv, NEXT] = nx
         if nx == -1:
-            cols[PREV, first] = pv
+            cols[first, PREV] = pv
         else:
-            cols[PREV, nx] = pv
+            cols[nx, PREV] = pv
 
 
 @njit(cache=True)
 def _insert_after(cols: np.ndarray, x: int, y: int) -> None:
-    nx = cols[NEXT, y]
-    cols[NEXT, y], cols[PREV, x], cols[NEXT, x] = x, y, nx
+    nx = cols[y, NEXT]
+    cols[y, NEXT], cols[x, PREV], cols[x, NEXT] = x, y, nx
     if nx == -1:
-        cols[PREV, cols[FIRST, cols[PAR, y]]] = x
+        cols[cols[cols[y, PAR], FIRST], PREV] = x
     else:
-        cols[PREV, nx] = x
+        cols[nx, PREV] = x
 
 
 @njit(cache=True)
 def _insert_before(cols: np.ndarray, x: int, y: int) -> None:
-    p = cols[PAR, y]
-    if cols[FIRST, p] == y:
-        cols[PREV, x], cols[NEXT, x] = cols[PREV, y], y
-        cols[PREV, y], cols[FIRST, p] = x, x
+    p = cols[y, PAR]
+    if cols[p, FIRST] == y:
+        cols[x, PREV], cols[x, NEXT] = cols[y, PREV], y
+        cols[y, PREV], cols[p, FIRST] = x, x
     else:
-        _insert_after(cols, x, cols[PREV, y])
+        _insert_after(cols, x, cols[y, PREV])
 
 
 @njit(cache=True)
 def _append_child(cols: np.ndarray, p: int, x: int) -> None:
-    first = cols[FIRST, p]
-    cols[NEXT, x] = -1
+    first = cols[p, FIRST]
+    cols[x, NEXT] = -1
     if first == -1:
-        cols[FIRST, p], cols[PREV, x] = x, x
+        cols[p, FIRST], cols[x, PREV] = x, x
     else:
-        last = cols[PREV, first]
-        cols[NEXT, last], cols[PREV, x], cols[PREV, first] = x, last, x
+        last = cols[first, PREV]
+        cols[last, NEXT], cols[x, PREV], cols[first, PREV] = x, last, x
 
 
 @njit(cache=True)
 def _swap(cols: np.ndarray, a: int, b: int) -> None:
     """Exchange the list positions of siblings a (earlier) and b (later)."""
-    if cols[NEXT, a] == b:
+    if cols[a, NEXT] == b:
         _unlink(cols, a)
         _insert_after(cols, a, b)
         return
-    after_a, before_b = cols[NEXT, a], cols[PREV, b]
+    after_a, before_b = cols[a, NEXT], cols[b, PREV]
     _unlink(cols, b)
     _insert_before(cols, b, after_a)
     _unlink(cols, a)
@@ -96,13 +100,13 @@ def _swap(cols: np.ndarray, a: int, b: int) -> None:
 
 @njit(cache=True)
 def _lru_remove(cols: np.ndarray, meta: np.ndarray, n: int) -> None:
-    p, x = cols[LPREV, n], cols[LNEXT, n]
+    p, x = cols[n, LPREV], cols[n, LNEXT]
     if p != -1:
-        cols[LNEXT, p] = x
+        cols[p, LNEXT] = x
     else:
         meta[LRU_HEAD] = x
     if x != -1:
-        cols[LPREV, x] = p
+        cols[x, LPREV] = p
     else:
         meta[LRU_TAIL] = p
 
@@ -110,9 +114,9 @@ def _lru_remove(cols: np.ndarray, meta: np.ndarray, n: int) -> None:
 @njit(cache=True)
 def _lru_append(cols: np.ndarray, meta: np.ndarray, n: int) -> None:
     tail = meta[LRU_TAIL]
-    cols[LPREV, n], cols[LNEXT, n] = tail, -1
+    cols[n, LPREV], cols[n, LNEXT] = tail, -1
     if tail != -1:
-        cols[LNEXT, tail] = n
+        cols[tail, LNEXT] = n
     else:
         meta[LRU_HEAD] = n
     meta[LRU_TAIL] = n
@@ -121,9 +125,9 @@ def _lru_append(cols: np.ndarray, meta: np.ndarray, n: int) -> None:
 @njit(cache=True)
 def _lru_push_front(cols: np.ndarray, meta: np.ndarray, n: int) -> None:
     head = meta[LRU_HEAD]
-    cols[LPREV, n], cols[LNEXT, n] = -1, head
+    cols[n, LPREV], cols[n, LNEXT] = -1, head
     if head != -1:
-        cols[LPREV, head] = n
+        cols[head, LPREV] = n
     else:
         meta[LRU_TAIL] = n
     meta[LRU_HEAD] = n
@@ -133,26 +137,58 @@ def _lru_push_front(cols: np.ndarray, meta: np.ndarray, n: int) -> None:
 
 
 @njit(cache=True)
-def _is_run_head(cols: np.ndarray, n: int) -> bool:
-    p = cols[PAR, n]
-    return cols[FIRST, p] == n or cols[CNT, cols[PREV, n]] != cols[CNT, n]
+def _same_before(cols: np.ndarray, n: int, c: int) -> bool:
+    """n has a previous sibling of count c."""
+    return cols[cols[n, PAR], FIRST] != n and cols[cols[n, PREV], CNT] == c
+
+
+@njit(cache=True)
+def _same_after(cols: np.ndarray, n: int, c: int) -> bool:
+    """n has a next sibling of count c."""
+    return cols[n, NEXT] != -1 and cols[cols[n, NEXT], CNT] == c
 
 
 @njit(cache=True)
 def _increment(cols: np.ndarray, runs: np.ndarray, child: int) -> None:
-    """count += 1, then swap with the head of the old count's run (NgramTrie._bubble_up)."""
-    p, c = cols[PAR, child], cols[CNT, child] + 1
-    head = ht.find(runs, cols, PAR, CNT, p, c - 1)
-    if head != child:
+    """count += 1, then swap with the head of the old count's run (NgramTrie._bubble_up).
+
+    `runs` holds the heads of runs of two or more equal-count siblings only, so the common
+    case (a child alone with its count, e.g. on a chain) needs no hashing at all.
+    """
+    p, c = cols[child, PAR], cols[child, CNT] + 1
+    if _same_before(cols, child, c - 1):  # not the head: the run has >= 2 members
+        head = ht.find(runs, cols, PAR, CNT, p, c - 1)
         _swap(cols, head, child)
-    nx = cols[NEXT, child]
-    if nx != -1 and cols[CNT, nx] == c - 1:
-        ht.replace(runs, cols, PAR, CNT, head, nx)
     else:
-        ht.remove(runs, cols, PAR, CNT, head)
-    cols[CNT, child] = c
-    if cols[FIRST, p] == child or cols[CNT, cols[PREV, child]] != c:
-        ht.insert(runs, child, ht.pair_key(p, c))
+        head = child
+    if _same_after(cols, child, c - 1):  # the old run had >= 2 members: it keeps the rest
+        nx = cols[child, NEXT]
+        if _same_after(cols, nx, c - 1):
+            ht.replace(runs, cols, PAR, CNT, head, nx)
+        else:
+            ht.remove(runs, cols, PAR, CNT, head)  # one member left: no entry
+    cols[child, CNT] = c
+    if _same_before(cols, child, c):
+        before = cols[child, PREV]
+        if not _same_before(cols, before, c):  # that run had one member, now two
+            ht.insert(runs, before, ht.pair_key(p, c))
+
+
+@njit(cache=True)
+def _leave_run(cols: np.ndarray, runs: np.ndarray, v: int) -> None:
+    """Update `runs` for v leaving its sibling list (its columns still intact)."""
+    c = cols[v, CNT]
+    before, after = _same_before(cols, v, c), _same_after(cols, v, c)
+    if after and not before:  # v heads a run of >= 2
+        nx = cols[v, NEXT]
+        if _same_after(cols, nx, c):
+            ht.replace(runs, cols, PAR, CNT, v, nx)
+        else:
+            ht.remove(runs, cols, PAR, CNT, v)
+    elif before and not after:  # v ends a run of >= 2
+        pv = cols[v, PREV]
+        if not _same_before(cols, pv, c):
+            ht.remove(runs, cols, PAR, CNT, pv)
 
 
 @njit(cache=True)
@@ -173,19 +209,18 @@ def _pinned(n: int, parent: int, old: np.ndarray, num_old: int, new: np.ndarray,
 def _evict(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, meta: np.ndarray,
            v: int) -> None:
     _lru_remove(cols, meta, v)
-    p = cols[PAR, v]
-    if _is_run_head(cols, v):
-        nx = cols[NEXT, v]
-        if nx != -1 and cols[CNT, nx] == cols[CNT, v]:
-            ht.replace(runs, cols, PAR, CNT, v, nx)
-        else:
-            ht.remove(runs, cols, PAR, CNT, v)
+    p = cols[v, PAR]
+    _leave_run(cols, runs, v)
+    if cols[p, FIRST] != v or cols[v, NEXT] != -1:  # v has a sibling, so an entry
+        ht.remove(edges, cols, PAR, TOK, v)
     _unlink(cols, v)
-    ht.remove(edges, cols, PAR, TOK, v)
-    if cols[FIRST, p] == -1 and p != ROOT:
+    only = cols[p, FIRST]
+    if only != -1 and cols[only, NEXT] == -1:  # an only child again: no entry
+        ht.remove(edges, cols, PAR, TOK, only)
+    if cols[p, FIRST] == -1 and p != ROOT:
         # Its whole subtree went cold, so it is the next eviction candidate.
         _lru_push_front(cols, meta, p)
-    cols[VER, v] += 1
+    cols[v, VER] += 1
     meta[EVICTED] += 1
 
 
@@ -193,15 +228,15 @@ def _evict(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, meta: np.ndarr
 def _allocate(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, meta: np.ndarray,
               parent: int, old: np.ndarray, num_old: int, new: np.ndarray, num_new: int) -> int:
     num = meta[NUM]
-    if num < cols.shape[1]:
+    if num < cols.shape[0]:
         meta[NUM] = num + 1
-        cols[VER, num] = 1
+        cols[num, VER] = 1
         return num
     if num < meta[CAPACITY]:
         return -2  # the caller did not grow the columns first (a bug)
     v = meta[LRU_HEAD]
     while v != -1 and _pinned(v, parent, old, num_old, new, num_new):
-        v = cols[LNEXT, v]
+        v = cols[v, LNEXT]
     if v == -1:
         return -1
     _evict(cols, edges, runs, meta, v)
@@ -212,26 +247,29 @@ def _allocate(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, meta: np.nd
 def _count_child(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, meta: np.ndarray,
                  parent: int, token: int, old: np.ndarray, num_old: int, new: np.ndarray,
                  num_new: int) -> int:
-    child = ht.find(edges, cols, PAR, TOK, parent, token)
+    child = child_of(cols, edges, parent, token)
     if child >= 0:
         _increment(cols, runs, child)
-        if cols[FIRST, child] == -1 and meta[LRU_TAIL] != child:
+        if cols[child, FIRST] == -1 and meta[LRU_TAIL] != child:
             _lru_remove(cols, meta, child)
             _lru_append(cols, meta, child)
         return child
     node = _allocate(cols, edges, runs, meta, parent, old, num_old, new, num_new)
     if node < 0:
         return node
-    cols[TOK, node], cols[PAR, node], cols[CNT, node], cols[FIRST, node] = token, parent, 1, -1
-    first = cols[FIRST, parent]
+    cols[node, TOK], cols[node, PAR], cols[node, CNT], cols[node, FIRST] = token, parent, 1, -1
+    first = cols[parent, FIRST]
     if first == -1:
         if parent != ROOT:
             _lru_remove(cols, meta, parent)  # no longer a leaf
-        ht.insert(runs, node, ht.pair_key(parent, 1))
-    elif cols[CNT, cols[PREV, first]] != 1:
-        ht.insert(runs, node, ht.pair_key(parent, 1))
+    else:
+        last = cols[first, PREV]
+        if cols[last, CNT] == 1 and not _same_before(cols, last, 1):
+            ht.insert(runs, last, ht.pair_key(parent, 1))  # a run of one becomes two
+        if cols[first, NEXT] == -1:  # the only child gets a sibling: now it needs an entry
+            ht.insert(edges, first, ht.pair_key(parent, cols[first, TOK]))
+        ht.insert(edges, node, ht.pair_key(parent, token))
     _append_child(cols, parent, node)
-    ht.insert(edges, node, ht.pair_key(parent, token))
     _lru_append(cols, meta, node)
     return node
 
@@ -240,10 +278,22 @@ def _count_child(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, meta: np
 
 
 @njit(cache=True)
+def child_of(cols: np.ndarray, edges: np.ndarray, parent: int, token: int) -> int:
+    first = cols[parent, FIRST]  # the most frequent child: checked before any hashing
+    if first == -1:
+        return -1
+    if cols[first, TOK] == token:
+        return first
+    if cols[first, NEXT] == -1:
+        return -1
+    return ht.find(edges, cols, PAR, TOK, parent, token)
+
+
+@njit(cache=True)
 def lookup(cols: np.ndarray, edges: np.ndarray, ctx: np.ndarray, lo: int, hi: int) -> int:
     node = ROOT
     for i in range(lo, hi):
-        node = ht.find(edges, cols, PAR, TOK, node, ctx[i])
+        node = child_of(cols, edges, node, ctx[i])
         if node < 0:
             return -1
     return node
@@ -270,13 +320,13 @@ def refresh(cols: np.ndarray, edges: np.ndarray, meta: np.ndarray, state: np.nda
     for k in range(limit):
         if k < state[0]:
             a = state[1 + k]
-            if a >= 0 and cols[VER, a] == state[1 + depth + k]:
+            if a >= 0 and cols[a, VER] == state[1 + depth + k]:
                 continue
         else:
             state[0] = k + 1
         a = lookup(cols, edges, ctx, n - k - 1, n)
         state[1 + k] = a
-        state[1 + depth + k] = cols[VER, a] if a >= 0 else 0
+        state[1 + depth + k] = cols[a, VER] if a >= 0 else 0
 
 
 @njit(cache=True)
@@ -298,7 +348,7 @@ def extend(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, meta: np.ndarr
         for k in range(min(depth, pos + 1)):
             if k == 0:
                 parent = ROOT
-            elif k <= num_old and old[k - 1] >= 0 and cols[VER, old[k - 1]] == state[depth + k]:
+            elif k <= num_old and old[k - 1] >= 0 and cols[old[k - 1], VER] == state[depth + k]:
                 parent = old[k - 1]
             else:  # evicted or never stored: re-probe the k tokens before `token`
                 if ctx[pos - k] == SEPARATOR:
@@ -317,88 +367,5 @@ def extend(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, meta: np.ndarr
         state[0] = num_new
         for i in range(num_new):
             state[1 + i] = new[i]
-            state[1 + depth + i] = cols[VER, new[i]]
-    return 0
-
-
-# ---------------------------------------------------------------- bulk operations
-
-
-@njit(cache=True)
-def rehash(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, num: int) -> None:
-    edges[:] = -1
-    runs[:] = -1
-    for n in range(1, num):
-        ht.insert(edges, n, ht.pair_key(cols[PAR, n], cols[TOK, n]))
-        if _is_run_head(cols, n):
-            ht.insert(runs, n, ht.pair_key(cols[PAR, n], cols[CNT, n]))
-
-
-@njit(cache=True)
-def children(cols: np.ndarray, node: int, limit: int) -> np.ndarray:
-    """[k, 3] rows (token, child, count), most frequent first."""
-    k = 0
-    c = cols[FIRST, node]
-    while c != -1 and k < limit:
-        k += 1
-        c = cols[NEXT, c]
-    out = np.empty((k, 3), np.int64)
-    c = cols[FIRST, node]
-    for i in range(k):
-        out[i, 0], out[i, 1], out[i, 2] = cols[TOK, c], c, cols[CNT, c]
-        c = cols[NEXT, c]
-    return out
-
-
-@njit(cache=True)
-def bfs_order(cols: np.ndarray, meta: np.ndarray) -> tuple:
-    """Live nodes parents-first (children in list order), their BFS index, and the LRU."""
-    num = meta[NUM]
-    order = np.empty(num, np.int64)
-    index = np.full(num, -1, np.int64)
-    order[0], index[0] = ROOT, 0
-    size = 1
-    for i in range(num):
-        if i >= size:
-            break
-        c = cols[FIRST, order[i]]
-        while c != -1:
-            order[size], index[c] = c, size
-            size += 1
-            c = cols[NEXT, c]
-    lru = np.empty(num, np.int64)
-    k = 0
-    n = meta[LRU_HEAD]
-    while n != -1:
-        lru[k] = index[n]
-        k += 1
-        n = cols[LNEXT, n]
-    return order[:size], index, lru[:k]
-
-
-@njit(cache=True)
-def restore(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, meta: np.ndarray,
-            tokens: np.ndarray, parents: np.ndarray, counts: np.ndarray,
-            lru: np.ndarray) -> int:
-    """Rebuild from BFS-order arrays; the first offending node index on bad input, else 0."""
-    num = tokens.shape[0]
-    for n in range(1, num):
-        p = parents[n]
-        if not 0 <= p < n or counts[n] < 1 or tokens[n] < 0:
-            return n
-        first = cols[FIRST, p]
-        if first != -1 and cols[CNT, cols[PREV, first]] < counts[n]:
-            return n  # siblings must come in count order
-        cols[TOK, n], cols[PAR, n], cols[CNT, n], cols[VER, n] = tokens[n], p, counts[n], 1
-        cols[FIRST, n] = -1
-        if first == -1 or cols[CNT, cols[PREV, first]] != counts[n]:
-            ht.insert(runs, n, ht.pair_key(p, counts[n]))
-        _append_child(cols, p, n)
-        ht.insert(edges, n, ht.pair_key(p, tokens[n]))
-    meta[NUM] = num
-    for i in range(lru.shape[0]):
-        n = lru[i]
-        if not 0 < n < num:
-            return num + i
-        _lru_append(cols, meta, n)
+            state[1 + depth + i] = cols[new[i], VER]
     return 0

@@ -1,0 +1,266 @@
+"""POST /v1/completions and /v1/chat/completions, streamed (SSE) or not."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ngramspec.server.async_engine import EngineStopped, RequestStream, SpecStats, TokenEvent
+from ngramspec.server.protocol import (
+    ApiError, ChatCompletionRequest, CompletionRequest, bad_request, parse_json, sampling_params,
+    validate,
+)
+from ngramspec.server.state import ServerState
+from ngramspec.server.text import TextAssembler
+
+router = APIRouter()
+
+
+@dataclass(slots=True)
+class Generation:
+    """One admitted request and what its response needs."""
+
+    kind: str  # "completion" | "chat"
+    request_id: str
+    model: str
+    created: int
+    num_prompt_tokens: int
+    stream: RequestStream
+    text: TextAssembler
+    include_usage: bool
+    arrival: float
+    last_token_time: float | None = None
+    num_output_tokens: int = 0
+
+
+@router.post("/v1/completions")
+async def create_completion(request: Request) -> Response:
+    arrival = time.perf_counter()
+    state: ServerState = request.app.state.server
+    req = validate(CompletionRequest, parse_json(await request.body()))
+    check_model(state, req.model)
+    prompt_ids = await _completion_prompt(state, req.prompt)
+    return await _respond(request, state, req, prompt_ids, "completion", arrival,
+                          state.settings.completion_default_max_tokens)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: Request) -> Response:
+    arrival = time.perf_counter()
+    state: ServerState = request.app.state.server
+    req = validate(ChatCompletionRequest, parse_json(await request.body()))
+    check_model(state, req.model)
+    try:
+        prompt_ids = await state.encoder.chat([m.as_template_message() for m in req.messages])
+    except Exception as e:  # the chat template rejects the conversation (e.g. role order)
+        raise bad_request(f"messages: the chat template failed: {e}", "messages") from e
+    return await _respond(request, state, req, prompt_ids, "chat", arrival, None)
+
+
+def check_model(state: ServerState, model: str) -> None:
+    if model != state.model_name:
+        raise ApiError(404, f"The model {model!r} does not exist; this server serves "
+                       f"{state.model_name!r}", "model", code="model_not_found")
+
+
+async def _completion_prompt(state: ServerState, prompt: Any) -> list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request("batched prompts are not supported: send one prompt per request",
+                              "prompt", code="unsupported_parameter")
+        prompt = prompt[0]
+    ids = await state.encoder.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise bad_request("the prompt is empty", "prompt")
+    if any(not 0 <= t < state.vocab_size for t in ids):
+        raise bad_request(f"prompt token ids must be in [0, {state.vocab_size})", "prompt")
+    return ids
+
+
+async def _respond(request: Request, state: ServerState, req: Any, prompt_ids: list[int],
+                   kind: str, arrival: float, default_max_tokens: int | None) -> Response:
+    params = sampling_params(req, len(prompt_ids), state.max_model_len, default_max_tokens)
+    references = None
+    if req.ngram is not None and req.ngram.references:
+        encoded = [await state.encoder.encode(r) for r in req.ngram.references]
+        references = [ids for ids in encoded if ids] or None
+    gen = await _admit(state, req, kind, prompt_ids, params, references, arrival)
+    if req.stream:
+        return EventStreamResponse(_sse_events(state, gen), on_close=gen.stream.close)
+    try:
+        body = await _until_done_or_disconnect(request, _collect(state, gen))
+    finally:
+        gen.stream.close()
+    if body is None:  # the client left; nobody reads this
+        return Response(status_code=499)
+    return JSONResponse(body)
+
+
+async def _admit(state: ServerState, req: Any, kind: str, prompt_ids: list[int], params: Any,
+                 references: list[list[int]] | None, arrival: float) -> Generation:
+    if state.engine.num_in_flight >= state.settings.max_in_flight:
+        raise ApiError(429, f"too many requests in flight ({state.settings.max_in_flight})",
+                       type="rate_limit_error", code="overloaded")
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    try:
+        stream = await state.engine.add(request_id, prompt_ids, params, references)
+    except EngineStopped as e:
+        raise ApiError(503, str(e), type="server_error", code="shutting_down") from e
+    except ValueError as e:  # the engine's own checks: prompt vs context, KV capacity
+        raise bad_request(str(e), "messages" if kind == "chat" else "prompt") from e
+    state.metrics.prompt_tokens.inc(len(prompt_ids))
+    return Generation(kind, request_id, state.model_name, int(time.time()), len(prompt_ids),
+                      stream, TextAssembler(state.tokenizer, params.stop), req.include_usage,
+                      arrival)
+
+
+# ---- consuming events -----------------------------------------------------------------------
+
+def _observe(state: ServerState, gen: Generation, event: TokenEvent) -> None:
+    n = len(event.token_ids)
+    if not n:
+        return
+    now, m = time.perf_counter(), state.metrics
+    if gen.last_token_time is None:
+        m.ttft.observe(now - gen.arrival)
+        n -= 1  # the first token's wait is TTFT, not ITL
+    else:
+        gap = (now - gen.last_token_time) / n
+        for _ in range(n):
+            m.itl.observe(gap)
+    gen.last_token_time = now
+    gen.num_output_tokens += len(event.token_ids)
+    m.generation_tokens.inc(len(event.token_ids))
+
+
+def _finish(state: ServerState, gen: Generation, event: TokenEvent) -> None:
+    if event.error is not None:
+        state.metrics.finished.labels("error").inc()
+        return
+    state.metrics.finished.labels(event.finish_reason).inc()
+    state.metrics.e2e.observe(time.perf_counter() - gen.arrival)
+
+
+async def _collect(state: ServerState, gen: Generation) -> dict[str, Any]:
+    async for event in gen.stream.events():
+        _observe(state, gen, event)
+        if not event.finished:
+            gen.text.extend(event.token_ids)
+            continue
+        _finish(state, gen, event)
+        if event.error is not None:
+            raise ApiError(503, event.error, type="server_error", code="aborted")
+        return _full_body(gen, gen.text.finish(event.token_ids, event.stop_text_len), event)
+    raise AssertionError("the event stream ended without a final event")
+
+
+async def _until_done_or_disconnect(request: Request, work: Any) -> Any:
+    """`work`'s result, or None if the client disconnects first (then `work` is cancelled)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    return task.result() if task.done() and not task.cancelled() else None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---- bodies ---------------------------------------------------------------------------------
+
+def usage(gen: Generation) -> dict[str, int]:
+    return {"prompt_tokens": gen.num_prompt_tokens, "completion_tokens": gen.num_output_tokens,
+            "total_tokens": gen.num_prompt_tokens + gen.num_output_tokens}
+
+
+def speculation(spec: SpecStats | None) -> dict[str, Any]:
+    return asdict(spec or SpecStats())
+
+
+def _full_body(gen: Generation, text: str, event: TokenEvent) -> dict[str, Any]:
+    if gen.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": None, "finish_reason": event.finish_reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None,
+                  "finish_reason": event.finish_reason}
+        obj = "text_completion"
+    return {"id": gen.request_id, "object": obj, "created": gen.created, "model": gen.model,
+            "choices": [choice], "usage": usage(gen), "speculation": speculation(event.spec)}
+
+
+def _chunk(gen: Generation, text: str | None, finish_reason: str | None = None,
+           role: bool = False) -> dict[str, Any]:
+    if gen.kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None,
+                  "finish_reason": finish_reason}
+        obj = "text_completion"
+    return {"id": gen.request_id, "object": obj, "created": gen.created, "model": gen.model,
+            "choices": [choice]}
+
+
+def _sse(data: dict[str, Any] | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+async def _sse_events(state: ServerState, gen: Generation) -> AsyncIterator[bytes]:
+    if gen.kind == "chat":
+        yield _sse(_chunk(gen, "", role=True))
+    async for event in gen.stream.events():
+        _observe(state, gen, event)
+        if not event.finished:
+            delta = gen.text.push(event.token_ids)
+            if delta:
+                yield _sse(_chunk(gen, delta))
+            continue
+        _finish(state, gen, event)
+        if event.error is not None:
+            error = ApiError(503, event.error, type="server_error", code="aborted")
+            yield _sse(error.body())
+            break
+        last = _chunk(gen, gen.text.finish(event.token_ids, event.stop_text_len),
+                      event.finish_reason)
+        last["speculation"] = speculation(event.spec)
+        yield _sse(last)
+        if gen.include_usage:
+            yield _sse({**_chunk(gen, None), "choices": [], "usage": usage(gen)})
+    yield _sse("[DONE]")
+
+
+class EventStreamResponse(StreamingResponse):
+    """SSE response that runs `on_close` however it ends: done, client gone, or cancelled
+    before the body started (then the generator never runs its own cleanup)."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()

@@ -1,0 +1,265 @@
+"""OpenAI request models, the OpenAI error body, and the checks that turn a request into
+SamplingParams.
+
+Unknown fields are ignored, as OpenAI's API does for fields it does not know. Fields OpenAI
+defines but we cannot honour (n > 1, logprobs, tools, ...) get a 400 naming the field, so a client
+never silently gets something other than what it asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ngramspec.sampling_params import SamplingParams
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+MIN_TEMPERATURE = 1e-5
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's body: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.type, self.code = type, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param, code=code)
+
+
+# ---- models ---------------------------------------------------------------------------------
+
+class _Strict(BaseModel):
+    # strict: "0.5" is not a number and true is not an integer, as in OpenAI's API.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class NgramHints(_Strict):
+    """Our extension `"ngram": {...}`: drafting hints for this request only."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")  # our own field: typos are errors
+    reference: str | list[str] | None = None  # documents the drafter may copy from
+    enabled: bool = True  # False opts this request out of speculation
+
+    @property
+    def references(self) -> list[str]:
+        if self.reference is None:
+            return []
+        return [self.reference] if isinstance(self.reference, str) else list(self.reference)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Strict):
+    model: str
+    max_tokens: int | None = None
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = 1.0
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM-style extensions
+    top_k: int = Field(0, ge=-1, lt=2**31)
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    ngram: NgramHints | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+class TextPart(_Strict):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(
+            p.text for p in self.content)
+        # The chat template knows "system"; OpenAI's "developer" role means the same.
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        # OpenAI deprecated max_tokens for chat in favour of max_completion_tokens.
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+
+class CorpusAddRequest(_Strict):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$")
+    documents: list[str] | None = None
+    path: str | None = None  # relative to --corpus-dir
+    wait: bool = True  # False: answer 202 at once, the load continues in the background
+
+
+class StatePathRequest(_Strict):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    path: str | None = None  # relative to --corpus-dir; None = --corpus-state
+
+
+# ---- parsing --------------------------------------------------------------------------------
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json(body: bytes) -> Any:
+    try:
+        return json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from e
+
+
+def _nothing(value: Any) -> bool:
+    return value is None or value is False or value == 0 or value == "" or value == [] \
+        or value == {}
+
+
+# Fields OpenAI defines that we cannot honour, and which of their values ask for nothing.
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "n": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v == 1),
+    "best_of": lambda v: v is None or v == 1,
+    "logprobs": _nothing,
+    "top_logprobs": _nothing,
+    "echo": _nothing,
+    "suffix": _nothing,
+    "logit_bias": _nothing,
+    "tools": _nothing,
+    "tool_choice": lambda v: v is None or v == "none",
+    "functions": _nothing,
+    "function_call": lambda v: v is None or v == "none",
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "audio": _nothing,
+    "modalities": lambda v: v is None or v == ["text"],
+    "prediction": _nothing,
+}
+
+
+def check_unsupported(body: dict[str, Any]) -> None:
+    for name, asks_nothing in UNSUPPORTED.items():
+        if name in body and not asks_nothing(body[name]):
+            raise bad_request(f"ngramspec does not support {name}={body[name]!r}", name,
+                              code="unsupported_parameter")
+    messages = body.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
+        if not isinstance(message, dict):
+            continue
+        if not _nothing(message.get("tool_calls")):
+            raise bad_request("ngramspec does not support tool calls in messages",
+                              f"messages.{i}.tool_calls", code="unsupported_parameter")
+        content = message.get("content")
+        if isinstance(content, list) and any(
+                isinstance(part, dict) and part.get("type") != "text" for part in content):
+            raise bad_request("ngramspec supports only text content parts", f"messages.{i}.content",
+                              code="unsupported_parameter")
+
+
+def validate(model: type[BaseModel], body: Any) -> Any:
+    """The body as `model`; OpenAI-style 400 naming the first bad field otherwise."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    check_unsupported(body)
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        param = ".".join(str(p) for p in err["loc"] if not _is_type_tag(p)) or None
+        raise bad_request(f"{param}: {err['msg']}" if param else err["msg"], param) from e
+
+
+def _is_type_tag(part: Any) -> bool:
+    # pydantic puts the union member tried ("str", "list[int]") into error locations.
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool")
+                                      or part.startswith(("list[", "function-")))
+
+
+# ---- sampling -------------------------------------------------------------------------------
+
+def sampling_params(req: _GenerationRequest, num_prompt_tokens: int, max_model_len: int,
+                    default_max_tokens: int | None) -> SamplingParams:
+    """SamplingParams for `req`; 400 for anything SamplingParams or the context rejects."""
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise bad_request(f"the prompt has {num_prompt_tokens} tokens but this model's context "
+                          f"is {max_model_len} tokens (prompt + at least one new token)",
+                          "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                          code="context_length_exceeded")
+    max_tokens = req.requested_max_tokens
+    param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None \
+        else "max_tokens"
+    if max_tokens is None:
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    elif max_tokens > room:
+        raise bad_request(f"this model's context is {max_model_len} tokens; the prompt has "
+                          f"{num_prompt_tokens}, so {param} must be at most {room} "
+                          f"(got {max_tokens})", param, code="context_length_exceeded")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise bad_request(f"stop: at most {MAX_STOP_STRINGS} strings of at most "
+                          f"{MAX_STOP_CHARS} characters", "stop")
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        if not math.isfinite(getattr(req, name)):
+            raise bad_request(f"{name} must be finite", name)
+    # Dividing logits by a denormal temperature overflows to inf and NaN probabilities; like
+    # vLLM, anything this small means greedy.
+    temperature = 0.0 if req.temperature < MIN_TEMPERATURE else req.temperature
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_k=req.top_k, top_p=req.top_p,
+            min_p=req.min_p, seed=req.seed, stop=stop, ignore_eos=req.ignore_eos,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            speculative=req.ngram is None or req.ngram.enabled)
+    except ValueError as e:
+        raise bad_request(str(e).removeprefix("SamplingParams."), _param_of(str(e), param)) from e
+
+
+def _param_of(message: str, max_tokens_param: str) -> str | None:
+    """`SamplingParams.top_p=0 must be ...` -> "top_p" (max_tokens as the client spelled it)."""
+    head = message.removeprefix("SamplingParams.").split("=", 1)[0]
+    if not head.isidentifier():
+        return None
+    return max_tokens_param if head == "max_tokens" else head

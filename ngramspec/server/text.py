@@ -1,0 +1,62 @@
+"""Streaming detokenisation that never takes back text it has sent.
+
+Text is decoded incrementally over a window (linear in the output length), held back while it
+ends in a partial UTF-8 character, and held back by (longest stop string - 1) characters, since a
+stop string split across tokens is cut from the final text and must never have been streamed.
+The final text is one full decode cut where the engine found the stop string, exactly what
+`ngramspec.outputs.output_text` returns offline.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class TextAssembler:
+    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self._text = ""  # decoded so far (may run ahead of what was sent)
+        self._sent = 0  # characters sent
+        self._prefix = 0  # decode window: token_ids[_prefix:_read] is already in _text
+        self._read = 0
+
+    @property
+    def sent_text(self) -> str:
+        return self._text[: self._sent]
+
+    def push(self, token_ids: list[int]) -> str:
+        """Add tokens; returns the text that is now safe to send (maybe "")."""
+        self.token_ids += token_ids
+        prefix_text = self._decode(self.token_ids[self._prefix : self._read])
+        new_text = self._decode(self.token_ids[self._prefix :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self._text += new_text[len(prefix_text) :]
+            self._prefix, self._read = self._read, len(self.token_ids)
+        return self._advance(len(self._text) - self.holdback)
+
+    def extend(self, token_ids: list[int]) -> None:
+        """Add tokens without sending anything (non-streamed responses)."""
+        self.token_ids += token_ids
+
+    def finish(self, token_ids: list[int], stop_text_len: int | None) -> str:
+        """Add the last tokens; returns the rest of the final text. (Not `push`: that would send
+        held-back text the stop string cut may remove.)"""
+        self.token_ids += token_ids
+        text = self._decode(self.token_ids)
+        if stop_text_len is not None:
+            text = text[:stop_text_len]
+        delta = text[self._sent :]
+        self._text, self._sent = text, len(text)
+        return delta
+
+    def _advance(self, end: int) -> str:
+        if end <= self._sent:
+            return ""
+        delta = self._text[self._sent : end]
+        self._sent = end
+        return delta
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if token_ids else ""

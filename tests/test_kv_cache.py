@@ -1,0 +1,166 @@
+"""KV cache: the slot allocator, and the engine under a small cache (waiting, preemption, no leaks,
+no corruption)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import (GREEDY, NUM_THREADS, PROMPTS, GreedyRef, LogitsProbe, assert_same_tokens,
+                      top2_gap)
+
+from ngramspec import LLM, SamplingParams
+from ngramspec.engine.kv_cache import SlotAllocator
+from ngramspec.engine.sequence import Status
+from ngramspec.layers.attention import KVCache
+
+# ----------------------------------------------------------------------------- allocator
+
+
+def test_allocator_hands_out_each_slot_once_and_never_slot_0() -> None:
+    alloc = SlotAllocator(10)
+    assert alloc.num_usable == 9 and alloc.num_free == 9
+    a = alloc.allocate(4)
+    b = alloc.allocate(5)
+    assert sorted(a + b) == list(range(1, 10))
+    assert alloc.allocate(1) is None and alloc.allocate(0) == []
+    alloc.free(a)
+    assert alloc.allocate(5) is None and alloc.num_free == 4, "a failed allocate took slots"
+    assert sorted(alloc.allocate(4)) == sorted(a)
+    with pytest.raises(ValueError, match="at least 2 slots"):
+        SlotAllocator(1)
+
+
+def test_kv_cache_bytes_per_slot() -> None:
+    assert KVCache.bytes_per_slot(30, 3, 64, torch.float32) == 2 * 30 * 3 * 64 * 4
+    assert KVCache.bytes_per_slot(2, 2, 16, torch.bfloat16) == 2 * 2 * 2 * 16 * 2
+    cache = KVCache(2, 7, 2, 16, torch.float32, torch.device("cpu"))
+    assert cache.k.shape == cache.v.shape == (2, 7, 2, 16)
+
+
+# ----------------------------------------------------------------------------- engine, tiny model
+
+
+def _tiny_llm(model_dir, usable_slots: int, **options) -> LLM:
+    per_slot = KVCache.bytes_per_slot(2, 2, 16, torch.float32)  # the tiny llama's shape
+    llm = LLM(str(model_dir), num_threads=NUM_THREADS, kv_cache_bytes=(usable_slots + 1) * per_slot,
+              **options)
+    assert llm.engine.allocator.num_usable == usable_slots
+    return llm
+
+
+def _workload(n: int, vocab: int) -> list[tuple[list[int], SamplingParams]]:
+    rng = random.Random(0)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 24))]
+        seed = rng.randrange(1000) if i % 4 == 3 else None  # some seeded sampling too
+        params = SamplingParams(temperature=0.9 if seed is not None else 0, seed=seed,
+                                max_tokens=rng.randint(1, 12), ignore_eos=True)
+        out.append((prompt, params))
+    return out
+
+
+def _run_checked(llm: LLM, workload) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Submit in waves between steps and check slot accounting after every step."""
+    engine, alloc = llm.engine, llm.engine.allocator
+    preempt, counts = engine.scheduler.preempt, {"preempted": 0, "waited": 0}
+
+    def counting_preempt(seq) -> None:
+        counts["preempted"] += 1
+        preempt(seq)
+
+    engine.scheduler.preempt = counting_preempt
+    outputs: dict[str, list[int]] = {}
+    ids = iter(range(len(workload)))
+    try:
+        while True:
+            for i in [next(ids, None) for _ in range(8)]:
+                if i is not None:
+                    engine.add_request(f"w{i}", *workload[i])
+            if not engine.has_unfinished():
+                break
+            for out in engine.step():
+                outputs.setdefault(out.seq.request_id, []).extend(out.new_token_ids)
+            running = engine.scheduler.running
+            held = [s for seq in running for s in seq.slots]
+            assert len(held) == len(set(held)) and len(held) + alloc.num_free == alloc.num_usable
+            assert all(not seq.slots for seq in engine.scheduler.waiting)
+            counts["waited"] += bool(running and engine.scheduler.waiting)
+    finally:
+        del engine.scheduler.preempt
+    return outputs, counts
+
+
+def test_thousands_of_requests_under_a_small_cache(tiny_model_dirs) -> None:
+    workload = _workload(1500, vocab=512)
+    free_llm = _tiny_llm(tiny_model_dirs["llama"], 8000, max_num_seqs=16)
+    rec = LogitsProbe(free_llm.engine)
+    reference, free_counts = _run_checked(free_llm, workload)
+    rec.close()
+    small = _tiny_llm(tiny_model_dirs["llama"], 100, max_num_seqs=16)
+    outputs, counts = _run_checked(small, workload)
+    alloc = small.engine.allocator
+    assert alloc.num_free == alloc.num_usable, "K/V slots leaked"
+    assert free_counts["preempted"] == 0
+    assert counts["preempted"] >= 20 and counts["waited"] >= 50, counts
+    for i, (_, params) in enumerate(workload):
+        rid = f"w{i}"
+        assert len(outputs[rid]) == params.max_tokens
+        ref = GreedyRef(reference[rid], [top2_gap(r) for r in rec.rows[rid]])
+        if params.greedy:
+            assert_same_tokens(outputs[rid], ref, f"request {i} under preemption")
+        else:
+            assert outputs[rid] == ref.tokens, f"seeded request {i} changed under preemption"
+
+
+def test_new_requests_wait_while_the_cache_is_full(tiny_model_dirs) -> None:
+    llm = _tiny_llm(tiny_model_dirs["llama"], 60)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    a = engine.add_request("a", list(range(3, 33)), params)
+    b = engine.add_request("b", list(range(40, 70)), params)
+    engine.step()
+    assert a.status is Status.RUNNING and b.status is Status.WAITING  # 30 + reserve > 30 free
+    while a.status is Status.RUNNING:
+        assert b.status is Status.WAITING
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    alone = [llm.generate(s.token_ids[: s.num_prompt_tokens], params)[0].token_ids for s in (a, b)]
+    assert [a.output_ids, b.output_ids] == alone
+
+
+def test_a_request_that_outgrows_the_whole_cache_ends_instead_of_hanging(tiny_model_dirs) -> None:
+    llm = _tiny_llm(tiny_model_dirs["llama"], 40)
+    engine = llm.engine
+    seq = engine.add_request("long", list(range(3, 23)),
+                             SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert seq.is_finished and seq.finish_reason == "length"
+    assert seq.num_tokens <= engine.allocator.num_usable
+    assert engine.allocator.num_free == engine.allocator.num_usable
+
+
+# ----------------------------------------------------------------------------- engine, real model
+
+
+def test_preemption_never_corrupts_running_requests(prompt_ids, greedy_alone) -> None:
+    # The raw prompts are admitted together, then their growth (16 tokens each) overflows a cache
+    # with 24 spare slots: requests wait, get preempted and recomputed (prefill in chunks of 16).
+    chosen = [i for i, (kind, _) in enumerate(PROMPTS) if kind == "raw"]
+    usable = sum(len(prompt_ids[i]) for i in chosen) + 24
+    per_slot = KVCache.bytes_per_slot(30, 3, 64, torch.float32)
+    llm = LLM(num_threads=NUM_THREADS, kv_cache_bytes=(usable + 1) * per_slot,
+              max_num_batched_tokens=16)
+    preempt, count = llm.engine.scheduler.preempt, [0]
+    llm.engine.scheduler.preempt = lambda seq: (count.__setitem__(0, count[0] + 1), preempt(seq))
+    outs = llm.generate([prompt_ids[i] for i in chosen], GREEDY)
+    assert count[0] > 0, "no preemption happened: the test proves nothing"
+    for i, out in zip(chosen, outs):
+        assert_same_tokens(out.token_ids, greedy_alone[i], f"prompt {i} with {usable} slots")
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable

@@ -1,0 +1,555 @@
+"""The OpenAI-compatible server, end to end: one live `ngramspec serve` subprocess on 127.0.0.1
+(speculation on, API key, corpus dir), driven by the real openai client and raw httpx.
+
+References come from the offline LLM (speculation off) run one prompt at a time, so every
+equality below also checks that serving, batching and speculation change no greedy token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ngramspec import LLM, SamplingParams
+from ngramspec.spec import persist
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "test-key-123"
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 512  # NOTE: 256 trips measure_cost (context 256 + drafts > rope table)
+MAX_BODY_BYTES = 64 * 1024
+FUZZ_EXAMPLES = 150
+GREEDY = dict(temperature=0, max_tokens=8)
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+    corpus_dir: Path
+    state_path: Path
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("server")
+    corpus_dir = root / "corpora"
+    corpus_dir.mkdir()
+    port = _free_port()
+    log_path = root / "server.log"
+    cmd = [sys.executable, "-m", "ngramspec.server.cli", "serve", "--speculative", "ngram",
+           "--host", "127.0.0.1", "--port", str(port), "--threads", "1",
+           "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY,
+           "--corpus-dir", str(corpus_dir), "--corpus-state", str(root / "learned.ngt"),
+           "--max-body-bytes", str(MAX_BODY_BYTES), "--shutdown-timeout", "20",
+           "--log-level", "warning"]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    srv = Server(f"http://127.0.0.1:{port}", process, corpus_dir, root / "learned.ngt", log_path)
+    yield srv
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def _wait_ready(srv: Server, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert srv.process.poll() is None, f"server exited:\n{srv.log()}"
+        try:
+            if httpx.get(srv.url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"server not ready after {timeout}s:\n{srv.log()}")
+
+
+@pytest.fixture(scope="module")
+def llm(server: Server) -> LLM:
+    # Built while the server subprocess loads its own copy.
+    return LLM(num_threads=1, max_model_len=MAX_MODEL_LEN)
+
+
+CONCURRENT_PROMPTS = [f"Tell me one fact about the number {i}." for i in range(32)]
+
+
+@pytest.fixture(scope="module")
+def sequential_outputs(server: Server, llm: LLM) -> list[str]:
+    """Greedy chat outputs of CONCURRENT_PROMPTS, one at a time (while the server starts)."""
+    return [_chat_reference(llm, p, temperature=0, max_tokens=6) for p in CONCURRENT_PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def live(server: Server, llm: LLM, sequential_outputs: list[str]) -> Server:
+    _wait_ready(server)
+    return server
+
+
+@pytest.fixture(scope="module")
+def client(live: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def http(live: Server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=live.url, timeout=300,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        yield c
+
+
+def _reference(llm: LLM, prompt: str, **params) -> str:
+    return llm.generate(prompt, SamplingParams(**params))[0].text
+
+
+def _chat_reference(llm: LLM, content: str, **params) -> str:
+    return llm.chat([{"role": "user", "content": content}], SamplingParams(**params))[0].text
+
+
+# ---- OpenAI routes ---------------------------------------------------------------------------
+
+def test_models_and_health(client: openai.OpenAI, live: Server) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    health = httpx.get(live.url + "/health").json()  # no key needed
+    assert health["status"] == "ok" and health["kv_free"] == health["kv_usable"] > 0
+
+
+def test_completion_matches_llm_generate(client: openai.OpenAI, llm: LLM) -> None:
+    prompt = "The capital of France is"
+    expected = _reference(llm, prompt, **GREEDY)
+    resp = client.completions.create(model=MODEL, prompt=prompt, **GREEDY)
+    assert resp.choices[0].text == expected
+    assert resp.usage.prompt_tokens == len(llm.encode(prompt))
+    assert resp.usage.completion_tokens == 8 and resp.choices[0].finish_reason == "length"
+    spec = resp.model_extra["speculation"]
+    assert spec["verify_steps"] == 7  # the first token comes from prefill
+    assert spec["mean_acceptance_length"] >= 1.0
+    stream = client.completions.create(model=MODEL, prompt=prompt, stream=True,
+                                       stream_options={"include_usage": True}, **GREEDY)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == 8
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_matches_llm_chat(client: openai.OpenAI, llm: LLM) -> None:
+    content = "Name three colours."
+    expected = _chat_reference(llm, content, **GREEDY)
+    messages = [{"role": "user", "content": content}]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+    assert resp.choices[0].message.content == expected
+    assert resp.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=MODEL, messages=messages, stream=True, **GREEDY)
+    deltas = [c.choices[0].delta for c in stream]
+    assert deltas[0].role == "assistant"
+    assert "".join(d.content or "" for d in deltas) == expected
+
+
+def test_stop_string_is_never_streamed(client: openai.OpenAI, llm: LLM) -> None:
+    prompt = "List the days of the week: Monday, Tuesday,"
+    full = _reference(llm, prompt, temperature=0, max_tokens=12)
+    stop = full[len(full) // 2 : len(full) // 2 + 3]  # cuts mid-output, maybe mid-token
+    expected = _reference(llm, prompt, temperature=0, max_tokens=12, stop=[stop])
+    assert len(expected) < len(full)
+    resp = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12,
+                                     stop=stop)
+    assert resp.choices[0].text == expected and resp.choices[0].finish_reason == "stop"
+    stream = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12,
+                                       stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == expected
+
+
+def test_32_concurrent_streams_equal_sequential(live: Server,
+                                                sequential_outputs: list[str]) -> None:
+    prompts, expected = CONCURRENT_PROMPTS, sequential_outputs
+
+    async def one(aclient: openai.AsyncOpenAI, prompt: str) -> str:
+        stream = await aclient.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=0,
+            max_tokens=6, stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in stream])
+
+    async def run_all() -> list[str]:
+        aclient = openai.AsyncOpenAI(base_url=live.url + "/v1", api_key=API_KEY, max_retries=0,
+                                     timeout=300)
+        async with aclient:
+            return await asyncio.gather(*(one(aclient, p) for p in prompts))
+
+    assert asyncio.run(run_all()) == expected
+
+
+def test_references_feed_the_drafter(http: httpx.Client, llm: LLM) -> None:
+    prompt = "Write a sentence about a red fox."
+    answer = _reference(llm, prompt, temperature=0, max_tokens=16)
+
+    def accepted(reference: list[str] | None) -> int:
+        assert http.post("/v1/learned/flush").status_code == 200  # nothing learned across runs
+        body = {"model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": 16}
+        if reference is not None:
+            body["ngram"] = {"reference": reference}
+        resp = http.post("/v1/completions", json=body).json()
+        assert resp["choices"][0]["text"] == answer  # hints never change the output
+        return resp["speculation"]["accepted_tokens"]
+
+    # The reference holds the whole answer, so nearly every drafted token is right.
+    with_reference = accepted([prompt + answer])
+    assert with_reference >= 8 > accepted(None)
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+LONG_PROMPT = "word " * (MAX_MODEL_LEN + 20)
+BAD_REQUESTS = [
+    # (route, raw body or JSON, status, param the error names)
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": "8"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "temperature": True}, 400, "temperature"),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, 400,
+     "messages.0.content"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": MAX_MODEL_LEN}, 400,
+     "max_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                              "max_completion_tokens": 10**9}, 400, "max_completion_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": LONG_PROMPT}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "temperature": -0.5}, 400,
+     "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "a"}, 404, "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                              "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "ngram": {"refrence": "x"}}, 400,
+     "ngram.refrence"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a" * MAX_BODY_BYTES}, 413, None),
+    ("/v1/completions", b'{"model": "x", "prompt": "a", "temperature": NaN}', 400, None),
+]
+
+
+@pytest.mark.parametrize("route,body,status,param", BAD_REQUESTS,
+                         ids=[f"{i}-{r[2]}-{r[3]}" for i, r in enumerate(BAD_REQUESTS)])
+def test_bad_input_gets_openai_error(http: httpx.Client, route: str, body, status: int,
+                                     param: str | None) -> None:
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    resp = http.post(route, **kw)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["message"] and error["type"]
+    assert error["param"] == param
+
+
+def test_unknown_fields_are_ignored(http: httpx.Client) -> None:
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "user": "u1", "made_up": [1],
+            "metadata": {"a": "b"}, "n": 1, "logprobs": None}
+    resp = http.post("/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_oversized_chunked_body_is_refused(http: httpx.Client) -> None:
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the limit must count streamed bytes
+        yield b'{"model": "' + MODEL.encode() + b'", "prompt": "'
+        for _ in range(MAX_BODY_BYTES // 1024 + 2):
+            yield b"a" * 1024
+        yield b'"}'
+
+    resp = http.post("/v1/completions", content=chunks())
+    assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
+
+
+# ---- security --------------------------------------------------------------------------------
+
+V1_ROUTES = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+             ("GET", "/v1/corpora"), ("POST", "/v1/corpora"), ("DELETE", "/v1/corpora/x"),
+             ("GET", "/v1/learned"), ("POST", "/v1/learned/save"),
+             ("POST", "/v1/learned/restore"), ("POST", "/v1/learned/flush"),
+             ("GET", "/v1/models/" + MODEL)]
+
+
+def test_api_key_guards_every_v1_route(live: Server) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        for method, path in V1_ROUTES:
+            resp = httpx.request(method, live.url + path, headers=headers, json={})
+            assert resp.status_code == 401, (method, path, headers)
+            assert resp.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(live.url + "/health").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=live.url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def _corpus(http: httpx.Client, **body) -> httpx.Response:
+    return http.post("/v1/corpora", json=body)
+
+
+def test_corpus_paths_stay_inside_corpus_dir(http: httpx.Client, live: Server,
+                                             tmp_path: Path) -> None:
+    secret = tmp_path / "secret.txt"
+    secret.write_text("top secret text")
+    d = live.corpus_dir
+    (d / "escape.txt").symlink_to(secret)
+    (d / "sub").mkdir()
+    (d / "sub" / "ok.txt").write_text("fine text")
+    (d / "sub" / "leak.txt").symlink_to(secret)  # a directory with one escaping file
+    (d / "linkdir").symlink_to(tmp_path, target_is_directory=True)
+    for path in (str(secret), "../" * 8 + str(secret).lstrip("/"), "escape.txt", "sub",
+                 "linkdir/secret.txt", "sub/../../secret.txt"):
+        resp = _corpus(http, name="leak", path=path)
+        assert resp.status_code == 403, (path, resp.text)
+        assert resp.json()["error"]["code"] == "path_outside_corpus_dir"
+    assert _corpus(http, name="leak", path="sub/*.txt").status_code == 400  # no patterns
+    assert _corpus(http, name="leak", path="missing.txt").status_code == 404
+    assert "leak" not in [c["name"] for c in http.get("/v1/corpora").json()["data"]]
+
+
+def test_corrupt_corpus_files_are_refused(http: httpx.Client, live: Server) -> None:
+    (live.corpus_dir / "bad.ngc").write_bytes(b"NGSPEC\x00\x01 truncated")
+    (live.corpus_dir / "bad.jsonl").write_text('{"text": "ok"}\n{"text": 5}\n')
+    (live.corpus_dir / "bin.txt").write_bytes(b"\xff\xfe\x00 not utf-8")
+    for name, path in (("c1", "bad.ngc"), ("c2", "bad.jsonl"), ("c3", "bin.txt")):
+        resp = _corpus(http, name=name, path=path)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["code"] == "invalid_corpus"
+        assert http.delete(f"/v1/corpora/{name}").status_code == 200  # drop the failure record
+    assert http.get("/health").json()["status"] == "ok"
+
+
+def test_corpus_add_list_remove(http: httpx.Client, live: Server, client: openai.OpenAI,
+                                llm: LLM) -> None:
+    (live.corpus_dir / "docs.jsonl").write_text('{"text": "alpha beta gamma"}\n"delta epsilon"\n')
+    resp = _corpus(http, name="files", path="docs.jsonl")
+    assert resp.status_code == 201, resp.text
+    expected_tokens = len(llm.encode("alpha beta gamma")) + 1 + len(llm.encode("delta epsilon"))
+    assert resp.json()["num_tokens"] == expected_tokens  # +1: the document separator
+    resp = _corpus(http, name="docs", documents=["The fox jumps over the lazy dog."] * 3,
+                   wait=False)
+    assert resp.status_code == 202
+    assert _corpus(http, name="files", documents=["x"]).status_code == 409
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        listed = {c["name"]: c for c in http.get("/v1/corpora").json()["data"]}
+        if listed["docs"]["status"] == "ready":
+            break
+        time.sleep(0.1)
+    assert listed["files"]["num_tokens"] == expected_tokens
+    assert listed["docs"]["status"] == "ready" and listed["docs"]["num_tokens"] > 0
+    # Generation with corpora loaded is still exact.
+    prompt = "The fox jumps"
+    assert client.completions.create(model=MODEL, prompt=prompt, **GREEDY).choices[0].text == \
+        _reference(llm, prompt, **GREEDY)
+    for name in ("files", "docs"):
+        assert http.delete(f"/v1/corpora/{name}").status_code == 200
+    assert http.delete("/v1/corpora/docs").status_code == 404
+    assert http.get("/v1/corpora").json()["data"] == []
+
+
+def test_learned_corpus_save_flush_restore(http: httpx.Client, client: openai.OpenAI,
+                                           live: Server) -> None:
+    client.completions.create(model=MODEL, prompt="One two three four", max_tokens=4)
+    before = http.get("/v1/learned").json()["num_nodes"]
+    assert before > 1
+    saved = http.post("/v1/learned/save", json={"path": "state/learned.ngt"}).json()
+    assert saved["num_nodes"] == before and (live.corpus_dir / "state" / "learned.ngt").is_file()
+    assert http.post("/v1/learned/flush").status_code == 200
+    assert http.get("/v1/learned").json()["num_nodes"] == 1  # the root alone
+    restored = http.post("/v1/learned/restore", json={"path": "state/learned.ngt"}).json()
+    assert restored["num_nodes"] == before == http.get("/v1/learned").json()["num_nodes"]
+    assert http.post("/v1/learned/save", json={"path": "../out.ngt"}).status_code == 403
+    (live.corpus_dir / "junk.ngt").write_bytes(b"junk")
+    resp = http.post("/v1/learned/restore", json={"path": "junk.ngt"})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_state_file"
+
+
+# ---- fuzzing ---------------------------------------------------------------------------------
+
+_JUNK = st.one_of(st.none(), st.booleans(), st.integers(-10**20, 10**20),
+                  st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20),
+                  st.lists(st.integers(-5, 70000), max_size=5),
+                  st.dictionaries(st.text(max_size=5), st.integers(), max_size=2))
+
+
+def _mostly(valid: st.SearchStrategy) -> st.SearchStrategy:
+    """Mostly valid values, so many bodies get past validation."""
+    return st.integers(0, 14).flatmap(lambda i: _JUNK if i == 0 else valid)
+
+
+_MESSAGE = st.fixed_dictionaries({
+    "role": _mostly(st.sampled_from(["user", "system", "assistant", "developer"])),
+    "content": _mostly(st.text(max_size=20))})
+_COMMON = {
+    "temperature": _mostly(st.floats(0, 2)),
+    "top_p": _mostly(st.floats(0.01, 1)),
+    "top_k": _mostly(st.integers(-1, 100)),
+    "stop": _mostly(st.one_of(st.text(min_size=1, max_size=4),
+                              st.lists(st.text(min_size=1, max_size=4), max_size=4))),
+    "seed": _mostly(st.integers(-2**63, 2**63 - 1)),
+    "n": _mostly(st.just(1)),
+    "presence_penalty": _mostly(st.floats(-2, 2)),
+    "frequency_penalty": _mostly(st.floats(-2, 2)),
+    "repetition_penalty": _mostly(st.floats(0.5, 2)),
+    "stream": _mostly(st.booleans()),
+    "stream_options": _mostly(st.fixed_dictionaries({"include_usage": st.booleans()})),
+    "ngram": _mostly(st.fixed_dictionaries({}, optional={"reference": st.one_of(
+        st.text(max_size=30), st.lists(st.text(max_size=30), max_size=3)),
+        "enabled": st.booleans()})),
+    "logit_bias": st.one_of(st.just({}), _JUNK),
+    "some_unknown_field": _JUNK,
+}
+# max_tokens is always there and tiny (or junk), so a valid case costs one or two engine steps.
+_REQUIRED = {"model": _mostly(st.just(MODEL)), "max_tokens": _mostly(st.integers(1, 2))}
+_BODIES = st.one_of(
+    st.tuples(st.just("/v1/completions"), st.fixed_dictionaries(
+        {**_REQUIRED, "prompt": _mostly(st.one_of(st.text(max_size=30),
+                                                  st.lists(st.integers(0, 49151), max_size=6)))},
+        optional=_COMMON)),
+    st.tuples(st.just("/v1/chat/completions"), st.fixed_dictionaries(
+        {**_REQUIRED, "messages": _mostly(st.lists(_MESSAGE, max_size=3))}, optional=_COMMON)),
+)
+
+
+def test_fuzzed_bodies_never_break_the_server(http: httpx.Client) -> None:
+    seen: list[int] = []
+
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(_BODIES)
+    def check(case: tuple[str, dict]) -> None:
+        route, body = case
+        resp = http.post(route, json=body)
+        seen.append(resp.status_code)
+        assert resp.status_code in (200, 400, 404), (body, resp.text)
+        if resp.status_code != 200:
+            assert resp.json()["error"]["message"]
+        elif body.get("stream") is True:
+            assert resp.text.rstrip().endswith("data: [DONE]")
+        else:
+            assert len(resp.json()["choices"]) == 1
+
+    check()
+    print(f"\nfuzz: {len(seen)} cases, status counts "
+          f"{ {s: seen.count(s) for s in sorted(set(seen))} }")
+    assert len(seen) >= FUZZ_EXAMPLES
+    assert seen.count(200) >= 5  # the fuzzer does reach generation (typically 15-30%)
+    assert http.get("/health").json()["status"] == "ok"
+
+
+# ---- disconnects, metrics, shutdown -----------------------------------------------------------
+
+def _wait_idle(http: httpx.Client, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        health = http.get("/health").json()
+        if health["running"] == health["waiting"] == health["in_flight"] == 0:
+            return health
+        time.sleep(0.2)
+    raise AssertionError(f"server still busy: {health}")
+
+
+def test_100_aborted_streams_free_the_kv_pool(http: httpx.Client, live: Server) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    async def abort_one(client: httpx.AsyncClient, i: int) -> bool:
+        body = {"model": MODEL, "prompt": f"Story number {i}:", "max_tokens": 200,
+                "temperature": 0.8, "seed": i, "ignore_eos": True, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            if i % 4 == 0:
+                return False  # leave before any token
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    return True  # leave after the first chunk
+        raise AssertionError("the stream ended before its first chunk")
+
+    async def run_all() -> list[bool]:
+        async with httpx.AsyncClient(base_url=live.url, headers=headers, timeout=300) as client:
+            return await asyncio.gather(*(abort_one(client, i) for i in range(100)))
+
+    started = asyncio.run(run_all())
+    assert sum(started) == 75
+    health = _wait_idle(http)
+    assert health["kv_free"] == health["kv_usable"]
+
+
+def test_non_streaming_disconnect_aborts(http: httpx.Client, live: Server) -> None:
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live.url + "/v1/completions", json=body, timeout=1.5,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    t0 = time.monotonic()
+    health = _wait_idle(http, timeout=60)
+    assert health["kv_free"] == health["kv_usable"]
+    assert time.monotonic() - t0 < 30  # far less than 200 tokens would take
+
+
+def test_metrics_report_the_traffic(live: Server) -> None:
+    text = httpx.get(live.url + "/metrics").text  # open, like /health
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    for name in ("ngramspec_generation_tokens_total", "ngramspec_prompt_tokens_total",
+                 "ngramspec_time_to_first_token_seconds_count",
+                 "ngramspec_inter_token_latency_seconds_count",
+                 "ngramspec_acceptance_length_count", "ngramspec_draft_time_seconds_count",
+                 "ngramspec_verify_time_seconds_count", "ngramspec_spec_draft_tokens_total"):
+        assert values[name] > 0, name
+    assert values["ngramspec_kv_cache_usage_ratio"] == 0.0
+    assert values["ngramspec_num_requests_waiting"] == 0.0
+    assert values['ngramspec_requests_total{code="401",route="/v1/models"}'] >= 3
+    assert values['ngramspec_request_finished_total{finish_reason="length"}'] > 0
+
+
+def test_sigterm_finishes_in_flight_and_saves_state(live: Server) -> None:
+    """Last: it stops the module's server."""
+    body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", live.url + "/v1/completions", json=body, headers=headers,
+                      timeout=120) as resp:
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        live.process.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    finals = [json.loads(r[6:]) for r in rest[:-1]]
+    assert finals[-1]["choices"][0]["finish_reason"] == "length"  # finished, not cancelled
+    # uvicorn re-raises the signal once its graceful shutdown is done, as servers should.
+    assert live.process.wait(timeout=60) in (0, -signal.SIGTERM), live.log()
+    meta, arrays = persist.load(live.state_path, "trie")
+    assert meta["trie"]["num_nodes"] > 1 and len(arrays["token"]) == meta["trie"]["num_nodes"]
