@@ -49,7 +49,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Like vLLM: a temperature this small would overflow the softmax; it means greedy.
+        return self.temperature < 1e-5
 
     @property
     def has_penalties(self) -> bool:

@@ -71,10 +71,12 @@ def time_forward(runner: ModelRunner, allocator: SlotAllocator, batch: int, toke
         allocator.free(slots)
 
 
-def measure_cost(runner: ModelRunner, allocator: SlotAllocator,
-                 points: tuple[int, ...] = DEFAULT_POINTS, max_tokens: int = 256) -> VerifyCost:
-    pts = [p for p in points if p <= max_tokens]
-    return VerifyCost(pts, [time_forward(runner, allocator, 1, p) for p in pts])
+def measure_cost(runner: ModelRunner, allocator: SlotAllocator, max_model_len: int,
+                 points: tuple[int, ...] = DEFAULT_POINTS, max_tokens: int = 128) -> VerifyCost:
+    """Time one forward per point; long prompts are the scheduler's business, so stop at 128."""
+    context = min(256, max_model_len // 2)
+    pts = [p for p in points if p <= max_tokens and context + p <= max_model_len]
+    return VerifyCost(pts, [time_forward(runner, allocator, 1, p, context, repeats=2) for p in pts])
 
 
 def measure_verify_cost(llm, batch_sizes=(1, 16), num_tokens=(1, 2, 4, 8, 16, 32)) -> dict:

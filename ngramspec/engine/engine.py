@@ -138,10 +138,14 @@ class LLMEngine:
         schedule = self.scheduler.schedule()
         if not schedule:
             return []
-        trees = self._draft(schedule)
-        t1 = time.perf_counter()
-        items = [self._forward_item(c, trees.get(c.seq.seq_id)) for c in schedule.chunks]
-        logits = self.runner.run(items)  # [rows, vocab]
+        try:
+            trees = self._draft(schedule)
+            t1 = time.perf_counter()
+            items = [self._forward_item(c, trees.get(c.seq.seq_id)) for c in schedule.chunks]
+            logits = self.runner.run(items)  # [rows, vocab]
+        except Exception:
+            self._fail(schedule)
+            raise
         t2 = time.perf_counter()
         outputs = self._postprocess(schedule, trees, logits)
         self.stats.num_steps += 1
@@ -149,6 +153,15 @@ class LLMEngine:
         self.stats.forward_time += t2 - t1
         self.stats.step_time += time.perf_counter() - t0
         return outputs
+
+    def _fail(self, schedule: Schedule) -> None:
+        """A step that failed before committing: free its slots, end its requests, keep serving."""
+        for chunk in schedule.chunks:
+            self.allocator.free(chunk.slots)
+            chunk.slots = []
+            if not chunk.seq.is_finished:
+                chunk.seq.finish_reason = "error"
+                self._finish(chunk.seq)
 
     def _draft(self, schedule: Schedule) -> dict[int, DraftTree]:
         if self.speculator is None:
@@ -177,7 +190,15 @@ class LLMEngine:
                 continue
             tree = trees.get(seq.seq_id) or DraftTree.root_only(seq.token_ids[-1])
             n = len(tree)
-            result = self._verify(seq, tree, logits[row : row + n], greedy_targets, row)
+            try:
+                result = self._verify(seq, tree, logits[row : row + n], greedy_targets, row)
+            except RuntimeError:  # e.g. non-finite logits: end this request, not the engine
+                row += n
+                self.allocator.free(chunk.slots)
+                seq.finish_reason = "error"
+                self._finish(seq)
+                outputs.append(StepOutput(seq))
+                continue
             row += n
             self._commit_slots(chunk, tree, result)
             outputs.append(self._append(seq, tree, result))

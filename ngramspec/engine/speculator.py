@@ -27,8 +27,8 @@ class Speculator:
         if config.verify_cost is not None:
             self.cost = VerifyCost.from_relative(config.verify_cost)
         elif self.adaptive:
-            self.cost = measure_cost(engine.runner, engine.allocator,
-                                     max_tokens=config.max_num_batched_tokens)
+            self.cost = measure_cost(engine.runner, engine.allocator, engine.max_model_len,
+                                     max_tokens=min(128, config.max_num_batched_tokens))
 
     def start(self, seq: Sequence, references: list[list[int]] | None) -> None:
         self.drafter.start(seq.request_id, seq.token_ids, references)
