@@ -28,10 +28,10 @@ def _prompts() -> list[tuple[str, list[int], int]]:
         rec = json.loads(line)
         if rec["category"] not in seen or rec["category"] in ("summarization", "rag", "coding"):
             seen.add(rec["category"])
-            out.append((rec["id"], rec["prompt_ids"], 96))
-    for line in (STREAMS / "code_edit.jsonl").read_text().splitlines():
+            out.append((rec["id"], rec["prompt_ids"], 64))
+    for line in (STREAMS / "code_edit.jsonl").read_text().splitlines()[:4]:
         rec = json.loads(line)
-        out.append((rec["id"], rec["prompt_ids"], 288))
+        out.append((rec["id"], rec["prompt_ids"], 260))
     return out
 
 
