@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ngramspec.config import EngineConfig
+from ngramspec.engine.acceptance import AcceptanceCalibrator
 from ngramspec.engine.cost_model import VerifyCost, measure_cost
 from ngramspec.engine.scheduler import Schedule
 from ngramspec.engine.sequence import Sequence
@@ -24,6 +25,7 @@ class Speculator:
         self.drafter = make_drafter(config.drafter, corpora)
         # The SGLang preset always verifies its full tree, as SGLang does; ours sizes it by cost.
         self.adaptive = config.drafter.preset != "sglang"
+        self.calibrator = AcceptanceCalibrator()
         if config.verify_cost is not None:
             self.cost = VerifyCost.from_relative(config.verify_cost)
         elif self.adaptive:
@@ -47,9 +49,13 @@ class Speculator:
         trees = self.drafter.propose([c.seq.request_id for c in chunks], [budget] * len(chunks))
         trees = [self._fit(tree, budget) for tree in trees]
         if self.adaptive:
+            raw = [list(tree.probs) for tree in trees]
+            trees = [self.calibrator.correct(tree) for tree in trees]
             base = len(schedule.decodes) + sum(c.num_tokens for c in schedule.prefills)
             sizes = choose_draft_sizes(trees, base, self.cost)
             trees = [tree.prefix(k) for tree, k in zip(trees, sizes)]
+            for tree, probs in zip(trees, raw):  # observe() learns from the raw estimates
+                tree.probs = probs[: len(tree)]
         out: dict[int, DraftTree] = {}
         for chunk, tree in zip(chunks, trees):
             # The root is the sequence's last token whatever the drafter says: never trust a
@@ -72,11 +78,17 @@ class Speculator:
         self.drafter.commit(seq.request_id, appended)
         if seq.num_tokens - num_appended <= seq.num_prompt_tokens:
             return  # the first token comes from prefill, not from a verify step
+        if self.adaptive and tree.num_drafts:
+            self.calibrator.observe(tree.probs, result.accepted_nodes)
         for counters in (seq.spec, stats):
             counters.num_verify_steps += 1
             counters.num_draft_tokens += tree.num_drafts
             counters.num_accepted_tokens += len(result.accepted_nodes)
             counters.num_emitted_tokens += num_appended
+
+
+# Host-side cost of a step that verifies trees rather than single tokens (masks, tree walks).
+TREE_STEP_OVERHEAD_S = 5e-4
 
 
 def choose_draft_sizes(trees: list[DraftTree], base_tokens: int, cost: VerifyCost) -> list[int]:
@@ -93,7 +105,7 @@ def choose_draft_sizes(trees: list[DraftTree], base_tokens: int, cost: VerifyCos
     best_m, best_rate = 0, expected / cost(base_tokens)
     for m, (neg_p, _, _) in enumerate(nodes, start=1):
         expected -= neg_p
-        rate = expected / cost(base_tokens + m)
+        rate = expected / (cost(base_tokens + m) + TREE_STEP_OVERHEAD_S)
         if rate > best_rate:
             best_m, best_rate = m, rate
     sizes = [0] * len(trees)
