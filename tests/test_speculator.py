@@ -6,7 +6,8 @@ from hypothesis import given, settings, strategies as st
 
 from ngramspec.engine.acceptance import AcceptanceCalibrator
 from ngramspec.engine.cost_model import VerifyCost
-from ngramspec.engine.speculator import TREE_STEP_OVERHEAD_S, choose_draft_sizes
+from ngramspec.engine.speculator import (PER_TREE_OVERHEAD_S, TREE_STEP_OVERHEAD_S,
+                                         choose_draft_sizes)
 from ngramspec.spec.tree import DraftTree
 
 
@@ -23,10 +24,16 @@ def brute_force_sizes(trees, base, cost):
     for sizes in itertools.product(*[range(len(t)) for t in trees]):
         expected = len(trees) + sum(sum(t.probs[1 : k + 1]) for t, k in zip(trees, sizes))
         m = sum(sizes)
-        rate = expected / (cost(base + m) + (TREE_STEP_OVERHEAD_S if m else 0.0))
+        rate = expected / (cost(base + m) + _overhead(sizes))
         if rate > best_rate + 1e-12:
             best, best_rate = list(sizes), rate
     return best_rate
+
+
+def _overhead(sizes: list[int]) -> float:
+    if not any(sizes):
+        return 0.0
+    return TREE_STEP_OVERHEAD_S + PER_TREE_OVERHEAD_S * sum(1 for k in sizes if k)
 
 
 probs_st = st.lists(st.floats(0.0, 1.0), min_size=0, max_size=4).map(
@@ -42,7 +49,7 @@ def test_chosen_sizes_reach_the_best_rate(tree_probs, slope):
     assert all(0 <= k < len(t) for k, t in zip(sizes, trees))
     m = sum(sizes)
     expected = len(trees) + sum(sum(t.probs[1 : k + 1]) for t, k in zip(trees, sizes))
-    rate = expected / (cost(len(trees) + m) + (TREE_STEP_OVERHEAD_S if m else 0.0))
+    rate = expected / (cost(len(trees) + m) + _overhead(sizes))
     # Greedy over the global best-first order is optimal for prefix-closed, sorted probabilities
     # up to the overhead step; it must never do worse than drafting nothing.
     assert rate >= len(trees) / cost(len(trees)) - 1e-12

@@ -87,8 +87,10 @@ class Speculator:
             counters.num_emitted_tokens += num_appended
 
 
-# Host-side cost of a step that verifies trees rather than single tokens (masks, tree walks).
+# Host-side cost of verifying trees rather than single tokens: per step (mask building) and per
+# tree that drafts anything (tree walk, slot bookkeeping, drafter feedback).
 TREE_STEP_OVERHEAD_S = 5e-4
+PER_TREE_OVERHEAD_S = 3e-4
 
 
 def choose_draft_sizes(trees: list[DraftTree], base_tokens: int, cost: VerifyCost) -> list[int]:
@@ -103,9 +105,13 @@ def choose_draft_sizes(trees: list[DraftTree], base_tokens: int, cost: VerifyCos
     )
     expected = float(len(trees))
     best_m, best_rate = 0, expected / cost(base_tokens)
-    for m, (neg_p, _, _) in enumerate(nodes, start=1):
+    overhead, drafting = TREE_STEP_OVERHEAD_S, set()
+    for m, (neg_p, t, _) in enumerate(nodes, start=1):
         expected -= neg_p
-        rate = expected / (cost(base_tokens + m) + TREE_STEP_OVERHEAD_S)
+        if t not in drafting:
+            drafting.add(t)
+            overhead += PER_TREE_OVERHEAD_S
+        rate = expected / (cost(base_tokens + m) + overhead)
         if rate > best_rate:
             best_m, best_rate = m, rate
     sizes = [0] * len(trees)
