@@ -77,3 +77,19 @@ def test_calibrator_learns_and_keeps_trees_best_first():
         cal.observe(tree.probs, [1, 2, 3, 4])
     rising = cal.correct(chain(list(tree.probs[1:]))).probs
     assert rising[1] > after[1] and rising[1] > 0.5
+
+
+def test_throughput_guard_penalises_drafting_only_when_it_is_slower():
+    from ngramspec.engine.throughput import ThroughputGuard
+
+    guard = ThroughputGuard()
+    for _ in range(50):  # at 16 sequences drafting steps are slower: the penalty must rise
+        guard.observe(16, drafted=True, tokens=20, seconds=0.2)
+        guard.observe(16, drafted=False, tokens=16, seconds=0.1)
+    assert guard.penalty_for(16) > 5
+    assert guard.penalty_for(1) == 1.0  # other batch sizes are judged on their own
+    for _ in range(400):  # drafting now pays: the penalty decays back to 1
+        guard.observe(16, drafted=True, tokens=40, seconds=0.1)
+    assert guard.penalty_for(16) < 1.5
+    probes = sum(guard.should_probe() for _ in range(64))
+    assert probes == 4  # one plain probe step in sixteen keeps the plain rate measured

@@ -8,6 +8,7 @@ from ngramspec.config import EngineConfig
 from ngramspec.engine.acceptance import AcceptanceCalibrator
 from ngramspec.engine.cost_model import VerifyCost, measure_cost
 from ngramspec.engine.scheduler import Schedule
+from ngramspec.engine.throughput import MAX_PENALTY, ThroughputGuard
 from ngramspec.engine.sequence import Sequence
 from ngramspec.spec.config import make_drafter
 from ngramspec.spec.tree import DraftTree
@@ -26,6 +27,9 @@ class Speculator:
         # The SGLang preset always verifies its full tree, as SGLang does; ours sizes it by cost.
         self.adaptive = config.drafter.preset != "sglang"
         self.calibrator = AcceptanceCalibrator()
+        # Learning from observed step rates only makes sense against a measured cost curve.
+        self.guard = ThroughputGuard() if config.verify_cost is None else None
+        self.last_drafted = False
         if config.verify_cost is not None:
             self.cost = VerifyCost.from_relative(config.verify_cost)
         elif self.adaptive:
@@ -52,10 +56,17 @@ class Speculator:
             raw = [list(tree.probs) for tree in trees]
             trees = [self.calibrator.correct(tree) for tree in trees]
             base = len(schedule.decodes) + sum(c.num_tokens for c in schedule.prefills)
-            sizes = choose_draft_sizes(trees, base, self.cost)
+            penalty = 1.0
+            if self.guard is not None:
+                if self.guard.should_probe():
+                    penalty = MAX_PENALTY
+                else:
+                    penalty = self.guard.penalty_for(len(schedule.decodes))
+            sizes = choose_draft_sizes(trees, base, self.cost, penalty)
             trees = [tree.prefix(k) for tree, k in zip(trees, sizes)]
             for tree, probs in zip(trees, raw):  # observe() learns from the raw estimates
                 tree.probs = probs[: len(tree)]
+        self.last_drafted = any(tree.num_drafts for tree in trees)
         out: dict[int, DraftTree] = {}
         for chunk, tree in zip(chunks, trees):
             # The root is the sequence's last token whatever the drafter says: never trust a
@@ -68,6 +79,11 @@ class Speculator:
                 chunk.slots.extend(slots)
             out[chunk.seq.seq_id] = tree
         return out
+
+    def after_step(self, schedule: Schedule, emitted: int, seconds: float) -> None:
+        """Feed a decode-only step's throughput to the guard (prefill steps are not comparable)."""
+        if self.guard is not None and schedule.decodes and not schedule.prefills:
+            self.guard.observe(len(schedule.decodes), self.last_drafted, emitted, seconds)
 
     def _fit(self, tree: DraftTree, budget: int) -> DraftTree:
         return tree.prefix(budget) if tree.num_drafts > budget else tree
@@ -93,7 +109,8 @@ TREE_STEP_OVERHEAD_S = 5e-4
 PER_TREE_OVERHEAD_S = 3e-4
 
 
-def choose_draft_sizes(trees: list[DraftTree], base_tokens: int, cost: VerifyCost) -> list[int]:
+def choose_draft_sizes(trees: list[DraftTree], base_tokens: int, cost: VerifyCost,
+                       penalty: float = 1.0) -> list[int]:
     """Draft nodes to keep per tree, maximising expected emitted tokens per second of step time.
 
     Every node's `probs` is its estimated chance of being accepted, so keeping the m most likely
@@ -104,14 +121,16 @@ def choose_draft_sizes(trees: list[DraftTree], base_tokens: int, cost: VerifyCos
         ((-p, t, i) for t, tree in enumerate(trees) for i, p in enumerate(tree.probs) if i > 0)
     )
     expected = float(len(trees))
-    best_m, best_rate = 0, expected / cost(base_tokens)
-    overhead, drafting = TREE_STEP_OVERHEAD_S, set()
+    base_cost = cost(base_tokens)
+    best_m, best_rate = 0, expected / base_cost
+    overhead, drafting = TREE_STEP_OVERHEAD_S * penalty, set()
     for m, (neg_p, t, _) in enumerate(nodes, start=1):
         expected -= neg_p
         if t not in drafting:
             drafting.add(t)
-            overhead += PER_TREE_OVERHEAD_S
-        rate = expected / (cost(base_tokens + m) + overhead)
+            overhead += PER_TREE_OVERHEAD_S * penalty
+        # `penalty` (learned from observed step rates) scales the extra cost of drafting.
+        rate = expected / (base_cost + penalty * (cost(base_tokens + m) - base_cost) + overhead)
         if rate > best_rate:
             best_m, best_rate = m, rate
     sizes = [0] * len(trees)
