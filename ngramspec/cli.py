@@ -22,9 +22,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     g.add_argument("--speculative", choices=["ngram", "none"], default=None,
                    help="model-free n-gram speculative decoding")
+    g.add_argument("--verify-cost", type=_verify_cost, default=None, metavar="flat|C1,C2,...",
+                   help="forward cost vs query tokens (1, 2, 4, 8, 12, 16, ...) relative to one "
+                        "token; 'flat' always drafts full trees; default: measured at start")
     g.add_argument("--speculative-algorithm", dest="speculative", type=str.lower,
                    choices=["ngram", "none"], help=argparse.SUPPRESS)  # SGLang spelling
     add_drafter_args(parser)
+
+
+def _verify_cost(text: str) -> list[float]:
+    from ngramspec.engine.cost_model import DEFAULT_POINTS
+
+    if text == "flat":
+        return [1.0] * len(DEFAULT_POINTS)
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--verify-cost {text!r}: use 'flat' or numbers") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError("--verify-cost values must be positive")
+    return values
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -35,7 +52,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), num_threads=args.threads,
-                speculative=spec, drafter=drafter_config_from_args(args))
+                speculative=spec, drafter=drafter_config_from_args(args),
+                verify_cost=args.verify_cost)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

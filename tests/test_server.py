@@ -63,7 +63,9 @@ def server(tmp_path_factory) -> Iterator[Server]:
     corpus_dir.mkdir()
     port = _free_port()
     log_path = root / "server.log"
+    # A fixed (flat) verify cost: drafting must not depend on how busy the machine is.
     cmd = [sys.executable, "-m", "ngramspec.server.cli", "serve", "--speculative", "ngram",
+           "--verify-cost", "flat",
            "--host", "127.0.0.1", "--port", str(port), "--threads", "1",
            "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY,
            "--corpus-dir", str(corpus_dir), "--corpus-state", str(root / "learned.ngt"),
