@@ -66,13 +66,16 @@ class NgramDrafter:
 
     # ----------------------------------------------------------------- lifecycle
 
-    def start(
-        self, request_id: str, prompt_ids: list[int], references: list[list[int]] | None = None
-    ) -> None:
+    def _check_start(self, request_id: str, prompt_ids: list[int]) -> None:
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already started")
         if not prompt_ids:
             raise ValueError("prompt_ids must hold at least one token (the tree root)")
+
+    def start(
+        self, request_id: str, prompt_ids: list[int], references: list[list[int]] | None = None
+    ) -> None:
+        self._check_start(request_id, prompt_ids)
         cfg = self.config
         context = ContextIndex(cfg.max_context_match, cfg.max_context_occurrences)
         for doc in references or ():

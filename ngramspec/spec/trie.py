@@ -275,10 +275,7 @@ class NgramTrie:
             "count": np.asarray([self._count[n] for n in order], dtype=np.int64),
             "lru": np.asarray([index[n] for n in self._leaves], dtype=np.int64),
         }
-        meta = {"format": "ngramspec.trie", "version": FORMAT_VERSION,
-                "capacity": self.capacity, "max_depth": self.max_depth,
-                "num_nodes": len(order)}
-        return meta, arrays
+        return trie_meta(self.capacity, self.max_depth, len(order)), arrays
 
     @classmethod
     def from_arrays(cls, meta: dict, arrays: dict[str, np.ndarray]) -> NgramTrie:
@@ -307,6 +304,12 @@ class NgramTrie:
         self._edges[parent * _SPAN + token] = node
         self._pos.append(len(self._kids[parent]))
         self._kids[parent].append(node)
+
+
+def trie_meta(capacity: int, max_depth: int, num_nodes: int) -> dict:
+    """The persisted header both trie backends write (their files are interchangeable)."""
+    return {"format": "ngramspec.trie", "version": FORMAT_VERSION,
+            "capacity": capacity, "max_depth": max_depth, "num_nodes": num_nodes}
 
 
 def check_trie_meta(meta: dict, arrays: dict[str, np.ndarray]) -> None:

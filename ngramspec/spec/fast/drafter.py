@@ -65,10 +65,7 @@ class FastNgramDrafter(NgramDrafter):
     def start(
         self, request_id: str, prompt_ids: list[int], references: list[list[int]] | None = None
     ) -> None:
-        if request_id in self._requests:
-            raise ValueError(f"request {request_id!r} already started")
-        if not prompt_ids:
-            raise ValueError("prompt_ids must hold at least one token (the tree root)")
+        self._check_start(request_id, prompt_ids)
         cfg = self.config
         context = FastContextIndex(cfg.max_context_match, cfg.max_context_occurrences)
         for doc in references or ():

@@ -18,7 +18,7 @@ import numpy as np
 from ngramspec.spec.fast import hashtab as ht
 from ngramspec.spec.fast import trie_bulk as tb
 from ngramspec.spec.fast import trie_kernels as tk
-from ngramspec.spec.trie import FORMAT_VERSION, check_trie_meta
+from ngramspec.spec.trie import check_trie_meta, trie_meta
 
 _INITIAL_NODES = 1 << 12
 
@@ -162,10 +162,7 @@ class FastTrie:
             "count": self.cols[order, tk.CNT].astype(np.int64),
             "lru": lru.copy(),
         }
-        meta = {"format": "ngramspec.trie", "version": FORMAT_VERSION,
-                "capacity": self.capacity, "max_depth": self.max_depth,
-                "num_nodes": len(order)}
-        return meta, arrays
+        return trie_meta(self.capacity, self.max_depth, len(order)), arrays
 
     @classmethod
     def from_arrays(cls, meta: dict, arrays: dict[str, np.ndarray]) -> FastTrie:
