@@ -190,7 +190,7 @@ def test_lifecycle_errors(backend: str):
         ({"max_trie_depth": 1}, "max_trie_depth"),
         ({"min_bfs_breadth": 0}, "min_bfs_breadth"),
         ({"min_bfs_breadth": 5, "max_bfs_breadth": 4}, "max_bfs_breadth"),
-        ({"capacity": 18}, "capacity"),  # == max_trie_depth: SGLang #36495 crash
+        ({"capacity": 18, "max_trie_depth": 18}, "capacity"),  # == max_trie_depth: SGLang #36495 crash
         ({"external_sam_budget": 12}, "external_sam_budget"),
         ({"external_corpus_max_tokens": 0}, "external_corpus_max_tokens"),
         ({"max_context_match": 0}, "max_context_match"),

@@ -32,7 +32,11 @@ class DrafterConfig:
     # (numba when importable). Both give identical trees.
     backend: str = "auto"
     draft_token_num: int = 12  # tree size including the root (SGLang's d); drafts = d - 1
-    max_trie_depth: int = 18  # D: longest n-gram stored in the trie
+    # D: longest n-gram stored in the trie. SGLang uses 18; ours stops at 8 because the request's
+    # own context index covers the long matches: on the 58 replay streams depths 6-18 give the same
+    # mean acceptance (2.43 at 8 vs 2.41 at 18) while 8 stores 2.7x fewer nodes and counts 2.25x
+    # fewer n-grams per committed token.
+    max_trie_depth: int = 8
     min_bfs_breadth: int = 1
     max_bfs_breadth: int = 10  # also the top-k children read per node by our drafter
     match_type: str = "BFS"  # "BFS" | "PROB" (sglang preset only)
@@ -42,8 +46,10 @@ class DrafterConfig:
     # ---- ngramspec knobs
     max_context_match: int = 16  # longest suffix looked up in the request's own context
     max_sam_match: int = 24  # longest suffix looked up in an external corpus
-    max_context_occurrences: int = 64  # most recent earlier occurrences used per context match
-    max_anchors_per_source: int = 3  # matched suffix lengths per source expanded into the tree
+    # Replays of the 58 streams: 16 occurrences and 2 anchors accept as much as 64 and 3 (2.44 vs
+    # 2.43 mean accepted, no category lower) and make a request-step about 15% cheaper.
+    max_context_occurrences: int = 16  # most recent earlier occurrences used per context match
+    max_anchors_per_source: int = 2  # matched suffix lengths per source expanded into the tree
     min_path_prob: float = 0.0  # nodes whose estimated path acceptance is below are not drafted
     insert_prompt: bool = True  # put prompts into the global trie (count once)
     calibrate: bool = True  # learn acceptance per (source, match length) online

@@ -23,29 +23,75 @@ from ngramspec.spec.sources import CONTEXT, TRIE
 
 C_SRC, C_A, C_B, C_OFF, C_LEN, C_NEXT = range(6)
 K_SLOT, K_TOK, K_SRC, K_HEAD, K_TAIL = range(5)
-# params: budget, top-k children per cursor, anchors per source, occurrences per context match
-P_BUDGET, P_LIMIT, P_ANCHORS, P_OCC = range(4)
+# params: budget, top-k children per cursor, anchors per source, occurrences per context match,
+# then the config's fixed sizes (scratch cursors, pool, group columns; tree nodes and evidence
+# slots of a request) and the context's longest match and whether to calibrate.
+(P_BUDGET, P_LIMIT, P_ANCHORS, P_OCC, P_CURSORS, P_POOL, P_GROUPS, P_NODES, P_EVIDENCE,
+ P_MAX_MATCH, P_CALIBRATE) = range(11)
 # counts (int64): next cursor, next candidate, heap size, pool used
 N_CUR, N_CAND, N_HEAP, N_POOL = range(4)
+# A request's int buffer starts with: where its tokens begin in its context array, and the
+# number of nodes of its last kernel-built tree still awaiting commit (0: none).
+R_TRIE_START, R_PENDING, R_HEAD = 0, 1, 2
 BUCKETS = np.asarray(BUCKET_EDGES, np.int64)
 
 
 class Scratch:
-    """Work arrays of one build, sized for the worst case of a config."""
+    """Work arrays of one build, sized for the worst case of a config.
+
+    They live in one int64 and one float64 buffer because numba's dispatch costs about 0.1 µs per
+    argument, which was a tenth of a whole request-step with one argument per array.
+    """
 
     def __init__(self, budget: int, limit: int, anchors: int, occurrences: int) -> None:
         root = 2 * anchors + 1
-        cursors = root * (1 + (budget + 1) * limit) + 16
-        self.cur = np.zeros((6, cursors), np.int64)
-        self.raw = np.zeros(cursors, np.float64)
-        self.cand = np.zeros((5, cursors), np.int64)
-        self.cand_f = np.zeros((2, cursors), np.float64)  # estimate, -path probability
-        self.heap = np.zeros(cursors, np.int64)
-        self.pool = np.zeros(anchors * occurrences * (budget + 2) + 16, np.int64)
-        # By group: token, size, first-seen id (sorted together); by end: group id; by
-        # first-seen id: next pool slot.
-        self.groups = np.zeros((5, occurrences + 1), np.int64)
-        self.counts = np.zeros(4, np.int64)
+        self.cursors = root * (1 + (budget + 1) * limit) + 16
+        self.pool = anchors * occurrences * (budget + 2) + 16
+        self.groups = occurrences + 1
+        self.ints = np.zeros(12 * self.cursors + self.pool + 5 * self.groups + 4, np.int64)
+        self.floats = np.zeros(3 * self.cursors, np.float64)
+
+
+def request_sizes(budget: int, anchors: int) -> tuple[int, int]:
+    """(int, float) buffer lengths of one request's tree and evidence (see `request_views`)."""
+    nodes = budget + 1
+    evidence = nodes * (2 * anchors + 1)
+    return R_HEAD + 3 * nodes + 2 * evidence + nodes + 1, nodes + evidence
+
+
+@njit(cache=True)
+def request_views(r_ints, r_floats, params):
+    """out_i [3, nodes] (token, parent, source), ev_i [2, evidence] (source, matched length),
+    ev_off [nodes + 1] (node i's evidence is ev_off[i]:ev_off[i + 1]), out_p [nodes] (path
+    probabilities), ev_raw [evidence]."""
+    nodes, evidence = params[P_NODES], params[P_EVIDENCE]
+    o = R_HEAD
+    out_i = r_ints[o:o + 3 * nodes].reshape((3, nodes))
+    o += 3 * nodes
+    ev_i = r_ints[o:o + 2 * evidence].reshape((2, evidence))
+    o += 2 * evidence
+    ev_off = r_ints[o:o + nodes + 1]
+    return out_i, ev_i, ev_off, r_floats[:nodes], r_floats[nodes:nodes + evidence]
+
+
+@njit(cache=True)
+def _scratch_views(ints, floats, params):
+    cursors, pool, groups = params[P_CURSORS], params[P_POOL], params[P_GROUPS]
+    o = 0
+    cur = ints[o:o + 6 * cursors].reshape((6, cursors))
+    o += 6 * cursors
+    cand = ints[o:o + 5 * cursors].reshape((5, cursors))
+    o += 5 * cursors
+    heap = ints[o:o + cursors]
+    o += cursors
+    pool_a = ints[o:o + pool]
+    o += pool
+    groups_a = ints[o:o + 5 * groups].reshape((5, groups))
+    o += 5 * groups
+    counts = ints[o:o + 4]
+    raw = floats[:cursors]
+    cand_f = floats[cursors:3 * cursors].reshape((2, cursors))  # estimate, -path probability
+    return cur, raw, cand, cand_f, heap, pool_a, groups_a, counts
 
 
 @njit(cache=True, inline="always")
@@ -259,15 +305,22 @@ def _root_cursors(cols, edges, tmeta, tstate, trie_start, tok, prev, cst, max_ma
 
 
 @njit(cache=True)
-def build(cols, edges, tmeta, tstate, trie_start, tok, prev, cst, max_match, factor, calibrate,
-          params, min_path_prob, s_cur, s_raw, s_cand, s_cand_f, heap, pool, groups, counts,
-          out_i, out_p, ev_i, ev_raw, ev_off, stats) -> int:
-    """Fill out_i (token, parent, source rows), out_p and the evidence; returns the node count."""
+def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, min_path_prob, s_ints,
+          s_floats, r_ints, r_floats, stats) -> int:
+    """Fill the request's tree and evidence (`request_views`); returns the node count, which is
+    also left in r_ints[R_PENDING] for the commit that follows."""
+    s_cur, s_raw, s_cand, s_cand_f, heap, pool, groups, counts = _scratch_views(
+        s_ints, s_floats, params)
+    out_i, ev_i, ev_off, out_p, ev_raw = request_views(r_ints, r_floats, params)
+    factor = cal[3]  # calibration factors [source, bucket]
+    trie_start, max_match = r_ints[R_TRIE_START], params[P_MAX_MATCH]
+    calibrate = params[P_CALIBRATE] != 0
     n_tok = cst[cx.NUM]
     counts[:] = 0
     out_i[0, 0], out_i[1, 0], out_i[2, 0], out_p[0] = tok[n_tok - 1], -1, -1, 1.0
     ev_off[0], ev_off[1] = 0, 0
     budget = params[P_BUDGET]
+    r_ints[R_PENDING] = 1
     if budget <= 0:
         return 1
     head = _root_cursors(cols, edges, tmeta, tstate, trie_start, tok, prev, cst, max_match,
@@ -294,4 +347,5 @@ def build(cols, edges, tmeta, tstate, trie_start, tok, prev, cst, max_match, fac
         if n <= budget:  # children of the last node could never be placed
             _push_children(cols, tok, n_tok, factor, calibrate, params, s_cur, s_raw, s_cand,
                            s_cand_f, heap, pool, groups, counts, n - 1, prob, s_cand[K_HEAD, k])
+    r_ints[R_PENDING] = n
     return n

@@ -7,7 +7,7 @@ from numba import njit
 
 from ngramspec.spec.fast import context as cx
 from ngramspec.spec.fast import trie_kernels as tk
-from ngramspec.spec.fast.build import bucket
+from ngramspec.spec.fast.build import R_PENDING, bucket, request_views
 from ngramspec.spec.sources import NUM_SOURCES
 
 
@@ -46,11 +46,14 @@ def learn(out_i, n, ev_i, ev_raw, ev_off, accepted_tokens, cal, calibrate_prior,
 
 
 @njit(cache=True)
-def commit(pending, out_i, ev_i, ev_raw, ev_off, new, cal, prior, stats, tok, prev, hashes,
-           keys, lens, vals, st, cols, edges, runs, meta, tstate) -> int:
+def commit(r_ints, r_floats, params, new, cal, prior, stats, tok, prev, hashes, keys, lens, vals,
+           st, cols, edges, runs, meta, tstate) -> int:
     """FastNgramDrafter.commit in one call: learn, index the tokens, count their n-grams."""
+    pending = r_ints[R_PENDING]
     if pending:
+        out_i, ev_i, ev_off, _, ev_raw = request_views(r_ints, r_floats, params)
         learn(out_i, pending, ev_i, ev_raw, ev_off, new, cal, prior, stats)
+        r_ints[R_PENDING] = 0
     start = st[cx.NUM]
     cx.append(tok, prev, hashes, keys, lens, vals, st, new)
     return tk.extend(cols, edges, runs, meta, tstate, tok, start, st[cx.NUM])

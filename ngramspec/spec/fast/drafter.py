@@ -31,13 +31,13 @@ class _FastRequest:
     context: FastContextIndex  # references + separator + tokens
     trie_state: FastTrieState
     trie_start: int  # where `tokens` begin in the context's array
-    out_i: np.ndarray  # [3, nodes]: token, parent, source of the last proposed tree
-    out_p: np.ndarray  # [nodes] path probabilities
-    ev_i: np.ndarray  # [2, evidence]: source, matched length
-    ev_raw: np.ndarray
-    ev_off: np.ndarray  # [nodes + 1]: node i's evidence is ev_off[i]:ev_off[i + 1]
+    # The last kernel-built tree and its evidence (build.request_views), with trie_start and the
+    # nodes awaiting commit in the header of `ints`.
+    ints: np.ndarray  # int64
+    floats: np.ndarray  # float64
+    out_i: np.ndarray  # [3, nodes] view of `ints`: token, parent, source
+    out_p: np.ndarray  # [nodes] view of `floats`: path probabilities
     sam_matches: dict[str, _SamMatch] = field(default_factory=dict)
-    pending: int = 0  # nodes of the kernel-built tree awaiting commit (0: none)
     pending_py: tuple | None = None  # (tree, evidence) of a Python-built tree
 
 
@@ -54,7 +54,7 @@ class FastNgramDrafter(NgramDrafter):
         self._scratch = bk.Scratch(config.num_draft_tokens, config.max_bfs_breadth,
                                    config.max_anchors_per_source,
                                    config.max_context_occurrences)
-        self._params: dict[int, np.ndarray] = {}  # build parameters by budget
+        self._params: dict[int, np.ndarray] = {}  # kernel parameters by budget
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -75,12 +75,12 @@ class FastNgramDrafter(NgramDrafter):
         state = self.trie.new_state()
         if cfg.insert_prompt:
             self.trie.extend(state, context.tok, trie_start, len(context))
-        nodes = cfg.num_draft_tokens + 1
-        evidence = nodes * (2 * cfg.max_anchors_per_source + 1)
+        num_ints, num_floats = bk.request_sizes(cfg.num_draft_tokens, cfg.max_anchors_per_source)
+        ints, floats = np.zeros(num_ints, np.int64), np.zeros(num_floats, np.float64)
+        ints[bk.R_TRIE_START] = trie_start
+        out_i, _, _, out_p, _ = bk.request_views(ints, floats, self._kernel_params(0))
         self._requests[request_id] = _FastRequest(
-            list(prompt_ids), context, state, trie_start, np.zeros((3, nodes), np.int64),
-            np.zeros(nodes), np.zeros((2, evidence), np.int64), np.zeros(evidence),
-            np.zeros(nodes + 1, np.int64))
+            list(prompt_ids), context, state, trie_start, ints, floats, out_i, out_p)
 
     def commit(self, request_id: str, accepted_token_ids: list[int]) -> None:
         req = self._requests[request_id]
@@ -95,11 +95,10 @@ class FastNgramDrafter(NgramDrafter):
         ctx.reserve(len(new))
         trie.reserve(len(new) * self.config.max_trie_depth)
         # One kernel call: learn from the pending tree, index the tokens, count them.
-        failed = cm.commit(req.pending, req.out_i, req.ev_i, req.ev_raw, req.ev_off, new,
-                           cal.cal, cal.prior, self._counts, ctx.tok, ctx.prev, ctx.hashes,
-                           ctx.keys, ctx.lens, ctx.vals, ctx.st, trie.cols, trie.edges,
-                           trie.runs, trie.meta, req.trie_state.arr)
-        req.pending = 0
+        failed = cm.commit(req.ints, req.floats, self._kernel_params(0), new, cal.cal, cal.prior,
+                           self._counts, ctx.tok, ctx.prev, ctx.hashes, ctx.keys, ctx.lens,
+                           ctx.vals, ctx.st, trie.cols, trie.edges, trie.runs, trie.meta,
+                           req.trie_state.arr)
         if failed:
             raise RuntimeError("trie columns were not grown before extend (bug)")
 
@@ -115,29 +114,37 @@ class FastNgramDrafter(NgramDrafter):
             budget = min(budget, self.config.num_draft_tokens)
             if sams:
                 tree, evidence = self._build(req, budget, sams)  # type: ignore[arg-type]
-                req.pending, req.pending_py = 0, (tree, evidence)
+                req.ints[bk.R_PENDING], req.pending_py = 0, (tree, evidence)
             else:
                 tree = self._build_fast(req, budget)
             trees.append(tree)
         return trees
 
-    def _build_fast(self, req: _FastRequest, budget: int) -> DraftTree:
-        cfg, s, trie, ctx = self.config, self._scratch, self.trie, req.context
+    def _kernel_params(self, budget: int) -> np.ndarray:
         params = self._params.get(budget)
         if params is None:
+            cfg, s = self.config, self._scratch
+            nodes = cfg.num_draft_tokens + 1
             params = np.array([budget, cfg.max_bfs_breadth, cfg.max_anchors_per_source,
-                               cfg.max_context_occurrences], np.int64)
+                               cfg.max_context_occurrences, s.cursors, s.pool, s.groups, nodes,
+                               nodes * (2 * cfg.max_anchors_per_source + 1),
+                               cfg.max_context_match, int(cfg.calibrate)], np.int64)
             self._params[budget] = params
+        return params
+
+    def _build_fast(self, req: _FastRequest, budget: int) -> DraftTree:
+        s, trie, ctx = self._scratch, self.trie, req.context
         if budget > 0 and req.trie_state.epoch != trie.epoch:
             trie._sync(req.trie_state)  # NgramDrafter reads trie anchors only for budget > 0
-        n = bk.build(trie.cols, trie.edges, trie.meta, req.trie_state.arr, req.trie_start,
-                     ctx.tok, ctx.prev, ctx.st, cfg.max_context_match, self.calibrator.cal[3],
-                     cfg.calibrate, params, cfg.min_path_prob, s.cur, s.raw, s.cand, s.cand_f,
-                     s.heap, s.pool, s.groups, s.counts, req.out_i, req.out_p, req.ev_i,
-                     req.ev_raw, req.ev_off, self._counts)
-        req.pending, req.pending_py = n, None
-        out = req.out_i[:, :n].tolist()
-        return _trusted_tree(out[0], out[1], req.out_p[:n].tolist(), out[2])
+        n = bk.build(trie.cols, trie.edges, trie.meta, req.trie_state.arr, ctx.tok, ctx.prev,
+                     ctx.st, self.calibrator.cal, self._kernel_params(budget),
+                     self.config.min_path_prob, s.ints, s.floats, req.ints, req.floats,
+                     self._counts)
+        req.pending_py = None
+        nodes = req.out_p.shape[0]
+        flat = req.ints[bk.R_HEAD:bk.R_HEAD + 3 * nodes].tolist()  # out_i's rows, one copy
+        return _trusted_tree(flat[:n], flat[nodes:nodes + n], req.out_p[:n].tolist(),
+                             flat[2 * nodes:2 * nodes + n])
 
     def _trie_anchors(self, req: _FastRequest) -> list[tuple[int, int]]:  # type: ignore[override]
         return self.trie.anchors(req.trie_state, req.context.tok[req.trie_start:],

@@ -54,6 +54,7 @@ class FastTrie:
         self.edges = np.full(size, -1, np.int32)
         self.runs = np.full(size, -1, np.int32)
         self.meta = np.array([1, -1, -1, 0, self.capacity, self.max_depth], np.int64)
+        self._room = 0  # node allocations known to fit without growing (a Python-side bound)
 
     def reset(self) -> None:
         """Forget every n-gram; outstanding states become invalid (epoch bump)."""
@@ -135,9 +136,16 @@ class FastTrie:
 
     def reserve(self, new_nodes: int) -> None:
         """Grow the columns (and re-hash) so `new_nodes` more fit, up to the capacity."""
+        if self._room >= new_nodes:  # the common case, without reading numpy scalars
+            self._room -= new_nodes
+            return
         allocated = self.cols.shape[0]
         need = self.num_nodes + new_nodes
-        if need <= allocated or allocated >= self.capacity:
+        if allocated >= self.capacity:  # full size: allocation evicts from now on
+            self._room = 1 << 62
+            return
+        if need <= allocated:
+            self._room = allocated - need
             return
         grown = min(self.capacity, max(2 * allocated, need))
         cols = np.full((grown, tk.NUM_COLS), -1, np.int32)
@@ -148,6 +156,7 @@ class FastTrie:
             self.edges = np.full(size, -1, np.int32)
             self.runs = np.full(size, -1, np.int32)
             tb.rehash(self.cols, self.edges, self.runs, self.num_nodes)
+        self._room = grown - need
 
     # ----------------------------------------------------------------- persistence
 
