@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ngramspec.layers.attention import AttentionMetadata, KVCache
+from ngramspec.layers.attention import AttentionGroup, AttentionMetadata, KVCache
 from ngramspec.models.config import ModelConfig
 from ngramspec.models.llama import LlamaForCausalLM
 
@@ -45,21 +45,40 @@ class ModelRunner:
 
     def _prepare(self, items: list[ForwardItem]):
         dev = self.device
-        num_q = max(len(it.token_ids) for it in items)
-        num_kv = max(len(it.prefix_slots) + len(it.slots) for it in items)
-        flat_ids, flat_pos, flat_slots, kv_rows, q_rows, out_rows, logit_rows = [], [], [], [], [], [], []
+        flat_ids, flat_pos, flat_slots, logit_rows, offsets = [], [], [], [], []
         offset = 0
-        for b, it in enumerate(items):
-            n = len(it.token_ids)
+        for it in items:
             flat_ids += it.token_ids
             flat_pos += it.positions
             flat_slots += it.slots
+            logit_rows += [offset + r for r in it.logits_rows]
+            offsets.append(offset)
+            offset += len(it.token_ids)
+        by_size: dict[int, list[int]] = {}
+        for b, it in enumerate(items):
+            by_size.setdefault(_size_class(len(it.token_ids)), []).append(b)
+        groups = [self._group([items[b] for b in members], [offsets[b] for b in members],
+                              whole=len(by_size) == 1)
+                  for _, members in sorted(by_size.items())]
+        meta = AttentionMetadata(slot_mapping=torch.tensor(flat_slots, device=dev), groups=groups)
+        # dtype is explicit: a step of mid-prompt chunks only needs no logits, and an empty
+        # tensor would default to float, which cannot index.
+        return (torch.tensor(flat_ids, device=dev), torch.tensor(flat_pos, device=dev), meta,
+                torch.tensor(logit_rows, dtype=torch.long, device=dev))
+
+    def _group(self, items: list[ForwardItem], offsets: list[int], whole: bool) -> AttentionGroup:
+        """Pad these sequences' queries to their longest and their K/V to the longest prefix."""
+        dev = self.device
+        num_q = max(len(it.token_ids) for it in items)
+        num_kv = max(len(it.prefix_slots) + len(it.slots) for it in items)
+        kv_rows, q_rows, out_rows, token_rows = [], [], [], []
+        for b, (it, offset) in enumerate(zip(items, offsets)):
+            n = len(it.token_ids)
             kv = it.prefix_slots + it.slots
             kv_rows.append(kv + [0] * (num_kv - len(kv)))
             q_rows.append(list(range(offset, offset + n)) + [0] * (num_q - n))
             out_rows += range(b * num_q, b * num_q + n)
-            logit_rows += [offset + r for r in it.logits_rows]
-            offset += n
+            token_rows += range(offset, offset + n)
         prefix_lens = torch.tensor([len(it.prefix_slots) for it in items], device=dev)
         cols = torch.arange(num_kv, device=dev)
         mask = (cols[None, :] < prefix_lens[:, None])[:, None, None, :].repeat(1, 1, num_q, 1)
@@ -67,17 +86,13 @@ class ModelRunner:
             n, p = len(it.token_ids), len(it.prefix_slots)
             mask[b, 0, :n, p : p + n] = self._local_mask(it)
             mask[b, 0, n:, 0] = True  # padded query rows must see something (else NaN)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(flat_slots, device=dev),
+        return AttentionGroup(
             query_index=torch.tensor(q_rows, device=dev),
             kv_slots=torch.tensor(kv_rows, device=dev),
             mask=mask,
             output_index=torch.tensor(out_rows, device=dev),
+            token_index=None if whole else torch.tensor(token_rows, device=dev),
         )
-        # dtype is explicit: a step of mid-prompt chunks only needs no logits, and an empty
-        # tensor would default to float, which cannot index.
-        return (torch.tensor(flat_ids, device=dev), torch.tensor(flat_pos, device=dev), meta,
-                torch.tensor(logit_rows, dtype=torch.long, device=dev))
 
     def _local_mask(self, it: ForwardItem) -> torch.Tensor:
         if it.local_mask is not None:
@@ -86,3 +101,12 @@ class ModelRunner:
         if n not in self._causal:
             self._causal[n] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
         return self._causal[n]
+
+
+# Query-length classes padded together: single-token decodes, draft trees and short chunks, and
+# long prefill chunks. More classes pad less but cost an SDPA call per layer each.
+SIZE_CLASS_LIMITS = (1, 16)
+
+
+def _size_class(num_queries: int) -> int:
+    return sum(num_queries > limit for limit in SIZE_CLASS_LIMITS)

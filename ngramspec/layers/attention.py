@@ -16,12 +16,24 @@ import torch.nn.functional as F
 
 
 @dataclass(slots=True)
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] cache slot written by each query token
+class AttentionGroup:
+    """Sequences whose queries are padded together: one SDPA call.
+
+    Sequences are grouped by query length so that one draft tree or prefill chunk does not pad
+    every single-token decode in the batch to its length (attention work is B * Q * L).
+    """
+
     query_index: torch.Tensor  # [B, Q] flat token index of each padded query row (pad -> 0)
     kv_slots: torch.Tensor  # [B, L] cache slots each sequence attends to (pad -> 0)
     mask: torch.Tensor  # [B, 1, Q, L] bool, True = may attend
-    output_index: torch.Tensor  # [T] row of each real query in the flattened [B * Q] output
+    output_index: torch.Tensor  # [Tg] row of each real query in the flattened [B * Q] output
+    token_index: torch.Tensor | None  # [Tg] flat index of those queries; None = all, in order
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot written by each query token
+    groups: list[AttentionGroup]
 
 
 class KVCache:
@@ -50,11 +62,20 @@ class ReferenceAttention:
         # q: [T, H, D]; k, v: [T, KVH, D] -> out [T, H * D]
         cache.k[layer].index_copy_(0, meta.slot_mapping, k)
         cache.v[layer].index_copy_(0, meta.slot_mapping, v)
-        b, q_len = meta.query_index.shape
+        if len(meta.groups) == 1 and meta.groups[0].token_index is None:
+            return self._group(layer, q, cache, meta.groups[0])
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [T, H * D]
+        for group in meta.groups:
+            out[group.token_index] = self._group(layer, q, cache, group)
+        return out
+
+    @staticmethod
+    def _group(layer: int, q: torch.Tensor, cache: KVCache, g: AttentionGroup) -> torch.Tensor:
+        b, q_len = g.query_index.shape
         num_heads, head_dim = q.shape[1], q.shape[2]
-        qb = q[meta.query_index].transpose(1, 2)  # [B, H, Q, D]
-        kb = cache.k[layer][meta.kv_slots].transpose(1, 2)  # [B, KVH, L, D]
-        vb = cache.v[layer][meta.kv_slots].transpose(1, 2)
-        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=meta.mask, enable_gqa=True)
+        qb = q[g.query_index].transpose(1, 2)  # [B, H, Q, D]
+        kb = cache.k[layer][g.kv_slots].transpose(1, 2)  # [B, KVH, L, D]
+        vb = cache.v[layer][g.kv_slots].transpose(1, 2)
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.mask, enable_gqa=True)
         out = out.transpose(1, 2).reshape(b * q_len, num_heads * head_dim)  # [B * Q, H * D]
-        return out[meta.output_index]
+        return out[g.output_index]  # [Tg, H * D]
