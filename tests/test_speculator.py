@@ -79,17 +79,38 @@ def test_calibrator_learns_and_keeps_trees_best_first():
     assert rising[1] > after[1] and rising[1] > 0.5
 
 
-def test_throughput_guard_penalises_drafting_only_when_it_is_slower():
-    from ngramspec.engine.throughput import ThroughputGuard
+def test_throughput_guard_learns_the_true_base_and_extra_costs():
+    from ngramspec.engine.throughput import MAX_PENALTY, PROBE_EVERY, ThroughputGuard
 
     guard = ThroughputGuard()
-    for _ in range(50):  # at 16 sequences drafting steps are slower: the penalty must rise
-        guard.observe(16, drafted=True, tokens=20, seconds=0.2)
-        guard.observe(16, drafted=False, tokens=16, seconds=0.1)
-    assert guard.penalty_for(16) > 5
-    assert guard.penalty_for(1) == 1.0  # other batch sizes are judged on their own
-    for _ in range(400):  # drafting now pays: the penalty decays back to 1
-        guard.observe(16, drafted=True, tokens=40, seconds=0.1)
-    assert guard.penalty_for(16) < 1.5
-    probes = sum(guard.should_probe() for _ in range(64))
-    assert probes == 4  # one plain probe step in sixteen keeps the plain rate measured
+    assert guard.correction(16) == (1.0, 1.0)  # nothing observed: trust the curve
+    guard.observe(16, 0.05, 0.08, 0.3)  # a drafting step before any plain one teaches nothing
+    assert guard.correction(16) == (1.0, 1.0)
+    for _ in range(100):
+        # At 16 sequences a plain step takes 3x the curve; drafting adds 4x the predicted extra.
+        guard.observe(16, 0.05, 0.05, 0.15)
+        guard.observe(16, 0.05, 0.08, 0.15 + 4 * 0.03)
+    scale, penalty = guard.correction(16)
+    assert abs(scale - 3.0) < 1e-6 and abs(penalty - 4.0) < 1e-6
+    assert guard.correction(1) == (1.0, 1.0)  # other batch sizes are judged on their own
+    for _ in range(200):  # drafting became cheap: the penalty falls to its floor, not below
+        guard.observe(16, 0.05, 0.05, 0.15)
+        guard.observe(16, 0.05, 0.08, 0.15)
+    assert guard.correction(16)[1] == 0.5
+    for _ in range(200):  # absurdly dear drafting is capped
+        guard.observe(16, 0.05, 0.05, 0.15)
+        guard.observe(16, 0.05, 0.051, 10.0)
+    assert guard.correction(16)[1] == MAX_PENALTY
+    probes = sum(guard.should_probe() for _ in range(4 * PROBE_EVERY))
+    assert probes == 4  # one plain probe step in PROBE_EVERY keeps the plain base measured
+
+
+def test_corrections_move_the_draft_size_choice():
+    flat = VerifyCost([1, 16], [0.03, 0.034])
+    tree = chain([0.5, 0.4, 0.3, 0.2])
+    assert choose_draft_sizes([tree], 1, flat) == [4]
+    assert choose_draft_sizes([tree], 1, flat, penalty=50.0) == [0]  # drafting proved dear
+    # A plain step that really costs 10x the curve makes the same extra relatively cheap.
+    steep = VerifyCost([1, 2, 16], [0.03, 0.05, 0.2])
+    assert choose_draft_sizes([tree], 1, steep) == [0]
+    assert choose_draft_sizes([tree], 1, steep, base_scale=10.0)[0] > 0

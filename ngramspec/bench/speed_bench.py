@@ -5,11 +5,13 @@ the given drafter options, (c) our faithful SGLang preset and (d) Hugging Face's
 decoding (`generate(prompt_lookup_num_tokens=10)`, batch 1 only). All greedy, chat template on.
 
 Fairness: the drafter learns across requests, so each configuration gets its own LLM instance
-(no state leaks between them) built only after the previous one is dropped, and one short warm-up
-request first (compilation, allocator, caches). tok/s = generated tokens / wall time of that
-configuration over a category's prompts. At --concurrency 1 prompts run one at a time, so each
-category has exact times; at --concurrency N all prompts are submitted at once with
-max_num_seqs=N and only overall tok/s is exact (per category: mean accepted length only).
+(no state leaks between them) and one short warm-up request first (compilation, allocator,
+caches). tok/s = generated tokens / wall time of that configuration over a category's prompts.
+At --concurrency 1 prompts run one at a time, each prompt on every configuration back to back in
+a rotating order, so a machine that speeds up or slows down during the run (this one drifts by
+20%) biases no configuration; each category has exact times. At --concurrency N all prompts are
+submitted at once with max_num_seqs=N, one configuration after the other, and only overall tok/s
+is exact (per category: mean accepted length only).
 Greedy speculation must reproduce plain decoding token for token: mismatches are counted, never hidden.
 """
 
@@ -96,7 +98,17 @@ def run_all(args: argparse.Namespace, prompts: list[BenchPrompt]) -> tuple[dict[
                              "sglang_drafter": _as_dict(configs["sglang"]["drafter"]), "notes": []}
     ids: list[list[int]] = []
     max_tokens = [args.max_tokens or p.max_tokens or DEFAULT_MAX_TOKENS for p in prompts]
-    for name, kwargs in configs.items():
+    if args.concurrency == 1:
+        llms = {name: _make_llm(kwargs) for name, kwargs in configs.items()}
+        ids = [llms["plain"].apply_chat_template([{"role": "user", "content": p.text}])
+               for p in prompts]
+        extra.update(_engine_info(llms["plain"]))
+        if not args.skip_verify_cost:
+            extra["verify_cost"] = _verify_cost(llms["plain"])
+        runs.update(run_interleaved(llms, ids, max_tokens))
+        del llms
+        gc.collect()
+    for name, kwargs in configs.items() if args.concurrency > 1 else ():
         llm = _make_llm(kwargs)
         if not ids:  # the first (plain) engine tokenizes for all and measures the cost curve
             ids = [llm.apply_chat_template([{"role": "user", "content": p.text}]) for p in prompts]
@@ -126,25 +138,38 @@ def _make_llm(kwargs: dict[str, Any]):
     return llm
 
 
-def run_engine(llm, name: str, ids: list[list[int]], max_tokens: list[int],
-               concurrency: int) -> ConfigRun:
+def run_interleaved(llms: dict[str, Any], ids: list[list[int]],
+                    max_tokens: list[int]) -> dict[str, ConfigRun]:
+    """Concurrency 1: every prompt on every engine back to back, rotating who goes first."""
     from tqdm import tqdm
 
     from ngramspec.sampling_params import SamplingParams
 
-    params = [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens]
-    if concurrency == 1:
-        outputs, seconds = [], []
-        for prompt, p in zip(tqdm(ids, desc=name, file=sys.stderr), params):
+    names = list(llms)
+    outputs: dict[str, list] = {n: [] for n in names}
+    seconds: dict[str, list[float]] = {n: [] for n in names}
+    for i, (prompt, m) in enumerate(zip(tqdm(ids, desc="prompts", file=sys.stderr), max_tokens)):
+        p = SamplingParams(temperature=0, max_tokens=m)
+        for name in names[i % len(names):] + names[:i % len(names)]:
             t0 = time.perf_counter()
-            outputs += llm.generate(prompt, p)
-            seconds.append(time.perf_counter() - t0)
-        wall = sum(seconds)
-    else:
-        print(f"{name}: {len(ids)} prompts, {concurrency} at a time", file=sys.stderr)
-        t0 = time.perf_counter()
-        outputs = llm.generate(ids, params, use_tqdm=True)
-        wall, seconds = time.perf_counter() - t0, None
+            outputs[name] += llms[name].generate(prompt, p)
+            seconds[name].append(time.perf_counter() - t0)
+    return {n: _config_run(n, outputs[n], seconds[n], sum(seconds[n]), llms[n]) for n in names}
+
+
+def run_engine(llm, name: str, ids: list[list[int]], max_tokens: list[int],
+               concurrency: int) -> ConfigRun:
+    from ngramspec.sampling_params import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens]
+    print(f"{name}: {len(ids)} prompts, {concurrency} at a time", file=sys.stderr)
+    t0 = time.perf_counter()
+    outputs = llm.generate(ids, params, use_tqdm=True)
+    return _config_run(name, outputs, None, time.perf_counter() - t0, llm)
+
+
+def _config_run(name: str, outputs: list, seconds: list[float] | None, wall: float,
+                llm) -> ConfigRun:
     accepted = [(o.metrics.mean_acceptance_length * o.metrics.num_verify_steps,
                  o.metrics.num_verify_steps) if o.metrics else (0.0, 0) for o in outputs]
     return ConfigRun(name, [o.token_ids for o in outputs], seconds, wall, accepted,

@@ -149,8 +149,7 @@ class LLMEngine:
         t2 = time.perf_counter()
         outputs = self._postprocess(schedule, trees, logits)
         if self.speculator is not None:
-            emitted = sum(len(o.new_token_ids) for o in outputs)
-            self.speculator.after_step(schedule, emitted, time.perf_counter() - t0)
+            self.speculator.after_step(schedule, time.perf_counter() - t0)
         self.stats.num_steps += 1
         self.stats.draft_time += t1 - t0
         self.stats.forward_time += t2 - t1

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ngramspec.layers.attention import AttentionGroup, AttentionMetadata, KVCache
+from ngramspec.layers.linear import pack_linears
 from ngramspec.models.config import ModelConfig
 from ngramspec.models.llama import LlamaForCausalLM
 
@@ -33,6 +34,7 @@ class ModelRunner:
         model.load_hf_state_dict(state)
         self.model = model.to(dtype=dtype).eval()
         self.model.rope.to(torch.float32)  # keep cos/sin exact; they are cast per use
+        pack_linears(self.model)
         self.cache = KVCache(model_cfg.num_layers, num_slots, model_cfg.num_kv_heads,
                              model_cfg.head_dim, dtype, device)
         self._causal: dict[int, torch.Tensor] = {}

@@ -8,7 +8,7 @@ from ngramspec.config import EngineConfig
 from ngramspec.engine.acceptance import AcceptanceCalibrator
 from ngramspec.engine.cost_model import VerifyCost, measure_cost
 from ngramspec.engine.scheduler import Schedule
-from ngramspec.engine.throughput import MAX_PENALTY, ThroughputGuard
+from ngramspec.engine.throughput import ThroughputGuard
 from ngramspec.engine.sequence import Sequence
 from ngramspec.spec.config import make_drafter
 from ngramspec.spec.tree import DraftTree
@@ -28,8 +28,9 @@ class Speculator:
         self.adaptive = config.drafter.preset != "sglang"
         self.calibrator = AcceptanceCalibrator()
         # Learning from observed step rates only makes sense against a measured cost curve.
-        self.guard = ThroughputGuard() if config.verify_cost is None else None
+        self.guard = ThroughputGuard() if config.verify_cost is None and self.adaptive else None
         self.last_drafted = False
+        self._predicted: tuple[float, float] | None = None  # (base, step) seconds of this step
         if config.verify_cost is not None:
             self.cost = VerifyCost.from_relative(config.verify_cost)
         elif self.adaptive:
@@ -52,20 +53,22 @@ class Speculator:
             return {}
         trees = self.drafter.propose([c.seq.request_id for c in chunks], [budget] * len(chunks))
         trees = [self._fit(tree, budget) for tree in trees]
+        self._predicted = None
         if self.adaptive:
             raw = [list(tree.probs) for tree in trees]
             trees = [self.calibrator.correct(tree) for tree in trees]
             base = len(schedule.decodes) + sum(c.num_tokens for c in schedule.prefills)
-            penalty = 1.0
+            scale, penalty = 1.0, 1.0
+            probe = False
             if self.guard is not None:
-                if self.guard.should_probe():
-                    penalty = MAX_PENALTY
-                else:
-                    penalty = self.guard.penalty_for(len(schedule.decodes))
-            sizes = choose_draft_sizes(trees, base, self.cost, penalty)
+                scale, penalty = self.guard.correction(len(schedule.decodes))
+                probe = self.guard.should_probe()
+            sizes = [0] * len(trees) if probe else choose_draft_sizes(
+                trees, base, self.cost, penalty, scale)
             trees = [tree.prefix(k) for tree, k in zip(trees, sizes)]
             for tree, probs in zip(trees, raw):  # observe() learns from the raw estimates
                 tree.probs = probs[: len(tree)]
+            self._predicted = (self.cost(base), predicted_step_cost(sizes, base, self.cost))
         self.last_drafted = any(tree.num_drafts for tree in trees)
         out: dict[int, DraftTree] = {}
         for chunk, tree in zip(chunks, trees):
@@ -80,10 +83,11 @@ class Speculator:
             out[chunk.seq.seq_id] = tree
         return out
 
-    def after_step(self, schedule: Schedule, emitted: int, seconds: float) -> None:
-        """Feed a decode-only step's throughput to the guard (prefill steps are not comparable)."""
-        if self.guard is not None and schedule.decodes and not schedule.prefills:
-            self.guard.observe(len(schedule.decodes), self.last_drafted, emitted, seconds)
+    def after_step(self, schedule: Schedule, seconds: float) -> None:
+        """Feed a decode-only step's time to the guard (prefill steps are not comparable)."""
+        if (self.guard is not None and self._predicted is not None and schedule.decodes
+                and not schedule.prefills):
+            self.guard.observe(len(schedule.decodes), *self._predicted, seconds)
 
     def _fit(self, tree: DraftTree, budget: int) -> DraftTree:
         return tree.prefix(budget) if tree.num_drafts > budget else tree
@@ -110,30 +114,41 @@ PER_TREE_OVERHEAD_S = 3e-4
 
 
 def choose_draft_sizes(trees: list[DraftTree], base_tokens: int, cost: VerifyCost,
-                       penalty: float = 1.0) -> list[int]:
+                       penalty: float = 1.0, base_scale: float = 1.0) -> list[int]:
     """Draft nodes to keep per tree, maximising expected emitted tokens per second of step time.
 
     Every node's `probs` is its estimated chance of being accepted, so keeping the m most likely
     nodes over the whole batch yields 1 + sum(p) tokens per decoding sequence. Nodes are taken
     best-first across trees (each tree's nodes are already best-first, so every tree keeps a prefix).
+    `base_scale` and `penalty` (learned from observed step times) correct the curve's plain step
+    time and its extra time for drafting.
     """
     nodes = sorted(
         ((-p, t, i) for t, tree in enumerate(trees) for i, p in enumerate(tree.probs) if i > 0)
     )
     expected = float(len(trees))
     base_cost = cost(base_tokens)
-    best_m, best_rate = 0, expected / base_cost
-    overhead, drafting = TREE_STEP_OVERHEAD_S * penalty, set()
+    plain = base_scale * base_cost
+    best_m, best_rate = 0, expected / plain
+    overhead, drafting = TREE_STEP_OVERHEAD_S, set()
     for m, (neg_p, t, _) in enumerate(nodes, start=1):
         expected -= neg_p
         if t not in drafting:
             drafting.add(t)
-            overhead += PER_TREE_OVERHEAD_S * penalty
-        # `penalty` (learned from observed step rates) scales the extra cost of drafting.
-        rate = expected / (base_cost + penalty * (cost(base_tokens + m) - base_cost) + overhead)
+            overhead += PER_TREE_OVERHEAD_S
+        rate = expected / (plain + penalty * (cost(base_tokens + m) - base_cost + overhead))
         if rate > best_rate:
             best_m, best_rate = m, rate
     sizes = [0] * len(trees)
     for _, t, _ in nodes[:best_m]:
         sizes[t] += 1
     return sizes
+
+
+def predicted_step_cost(sizes: list[int], base_tokens: int, cost: VerifyCost) -> float:
+    """The curve's step time (host overheads included) for these draft sizes."""
+    drafted = sum(sizes)
+    if not drafted:
+        return cost(base_tokens)
+    trees = sum(1 for k in sizes if k)
+    return cost(base_tokens + drafted) + TREE_STEP_OVERHEAD_S + PER_TREE_OVERHEAD_S * trees
