@@ -7,11 +7,12 @@ decoding (`generate(prompt_lookup_num_tokens=10)`, batch 1 only). All greedy, ch
 Fairness: the drafter learns across requests, so each configuration gets its own LLM instance
 (no state leaks between them) and one short warm-up request first (compilation, allocator,
 caches). tok/s = generated tokens / wall time of that configuration over a category's prompts.
-At --concurrency 1 prompts run one at a time, each prompt on every configuration back to back in
-a rotating order, so a machine that speeds up or slows down during the run (this one drifts by
-20%) biases no configuration; each category has exact times. At --concurrency N all prompts are
-submitted at once with max_num_seqs=N, one configuration after the other, and only overall tok/s
-is exact (per category: mean accepted length only).
+All engines run in lockstep: one engine step each in turn, rotating who goes first, and only
+the steps are timed. A machine that speeds up or slows down during the run (this one drifts by
+10-20% between runs of the same prompt) therefore biases no configuration. At --concurrency 1
+prompts run one at a time, so each category has exact times; at --concurrency N all prompts are
+submitted at once with max_num_seqs=N and only overall tok/s is exact (per category: mean
+accepted length only).
 Greedy speculation must reproduce plain decoding token for token: mismatches are counted, never hidden.
 """
 
@@ -98,26 +99,15 @@ def run_all(args: argparse.Namespace, prompts: list[BenchPrompt]) -> tuple[dict[
                              "sglang_drafter": _as_dict(configs["sglang"]["drafter"]), "notes": []}
     ids: list[list[int]] = []
     max_tokens = [args.max_tokens or p.max_tokens or DEFAULT_MAX_TOKENS for p in prompts]
-    if args.concurrency == 1:
-        llms = {name: _make_llm(kwargs) for name, kwargs in configs.items()}
-        ids = [llms["plain"].apply_chat_template([{"role": "user", "content": p.text}])
-               for p in prompts]
-        extra.update(_engine_info(llms["plain"]))
-        if not args.skip_verify_cost:
-            extra["verify_cost"] = _verify_cost(llms["plain"])
-        runs.update(run_interleaved(llms, ids, max_tokens))
-        del llms
-        gc.collect()
-    for name, kwargs in configs.items() if args.concurrency > 1 else ():
-        llm = _make_llm(kwargs)
-        if not ids:  # the first (plain) engine tokenizes for all and measures the cost curve
-            ids = [llm.apply_chat_template([{"role": "user", "content": p.text}]) for p in prompts]
-            extra.update(_engine_info(llm))
-            if not args.skip_verify_cost:
-                extra["verify_cost"] = _verify_cost(llm)
-        runs[name] = run_engine(llm, name, ids, max_tokens, args.concurrency)
-        del llm
-        gc.collect()
+    llms = {name: _make_llm(kwargs) for name, kwargs in configs.items()}
+    ids = [llms["plain"].apply_chat_template([{"role": "user", "content": p.text}])
+           for p in prompts]
+    extra.update(_engine_info(llms["plain"]))
+    if not args.skip_verify_cost:
+        extra["verify_cost"] = _verify_cost(llms["plain"])
+    runs.update(run_lockstep(llms, ids, max_tokens, args.concurrency))
+    del llms
+    gc.collect()
     if args.skip_hf:
         extra["notes"].append("HF prompt-lookup decoding skipped (--skip-hf)")
     elif args.concurrency > 1:
@@ -138,34 +128,49 @@ def _make_llm(kwargs: dict[str, Any]):
     return llm
 
 
-def run_interleaved(llms: dict[str, Any], ids: list[list[int]],
-                    max_tokens: list[int]) -> dict[str, ConfigRun]:
-    """Concurrency 1: every prompt on every engine back to back, rotating who goes first."""
+def run_lockstep(llms: dict[str, Any], ids: list[list[int]], max_tokens: list[int],
+                 concurrency: int) -> dict[str, ConfigRun]:
+    """Run the same requests on every engine, one engine step each in turn (rotating who goes
+    first), timing each engine's steps only. At concurrency 1 the prompts go one at a time
+    (timed per prompt); otherwise all at once with max_num_seqs = concurrency."""
     from tqdm import tqdm
 
+    from ngramspec.outputs import build_output
     from ngramspec.sampling_params import SamplingParams
 
     names = list(llms)
-    outputs: dict[str, list] = {n: [] for n in names}
-    seconds: dict[str, list[float]] = {n: [] for n in names}
-    for i, (prompt, m) in enumerate(zip(tqdm(ids, desc="prompts", file=sys.stderr), max_tokens)):
-        p = SamplingParams(temperature=0, max_tokens=m)
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            t0 = time.perf_counter()
-            outputs[name] += llms[name].generate(prompt, p)
-            seconds[name].append(time.perf_counter() - t0)
-    return {n: _config_run(n, outputs[n], seconds[n], sum(seconds[n]), llms[n]) for n in names}
-
-
-def run_engine(llm, name: str, ids: list[list[int]], max_tokens: list[int],
-               concurrency: int) -> ConfigRun:
-    from ngramspec.sampling_params import SamplingParams
-
-    params = [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens]
-    print(f"{name}: {len(ids)} prompts, {concurrency} at a time", file=sys.stderr)
-    t0 = time.perf_counter()
-    outputs = llm.generate(ids, params, use_tqdm=True)
-    return _config_run(name, outputs, None, time.perf_counter() - t0, llm)
+    outputs: dict[str, dict[int, Any]] = {n: {} for n in names}
+    seconds: dict[str, list[float]] = {n: [0.0] * len(ids) for n in names}
+    wall = dict.fromkeys(names, 0.0)
+    batches = [[i] for i in range(len(ids))] if concurrency == 1 else [list(range(len(ids)))]
+    bar = tqdm(total=len(ids) * len(names), desc="requests (all engines)", file=sys.stderr)
+    for batch in batches:
+        index: dict[tuple[str, str], int] = {}
+        for name in names:
+            for i in batch:
+                p = SamplingParams(temperature=0, max_tokens=max_tokens[i])
+                index[name, llms[name].add_request(ids[i], p)] = i
+        active, turn = list(names), 0
+        while active:
+            for name in active[turn % len(active):] + active[:turn % len(active)]:
+                engine = llms[name].engine
+                t0 = time.perf_counter()
+                step = engine.step()
+                dt = time.perf_counter() - t0
+                wall[name] += dt
+                for i in batch:
+                    seconds[name][i] += dt / len(batch)
+                for out in step:
+                    if out.seq.is_finished:
+                        outputs[name][index[name, out.seq.request_id]] = build_output(
+                            out.seq, engine.tokenizer)
+                        bar.update(1)
+            turn += 1
+            active = [n for n in active if llms[n].engine.has_unfinished()]
+    bar.close()
+    timed = concurrency == 1
+    return {n: _config_run(n, [outputs[n][i] for i in range(len(ids))],
+                           seconds[n] if timed else None, wall[n], llms[n]) for n in names}
 
 
 def _config_run(name: str, outputs: list, seconds: list[float] | None, wall: float,
