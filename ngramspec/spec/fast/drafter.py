@@ -31,12 +31,10 @@ class _FastRequest:
     context: FastContextIndex  # references + separator + tokens
     trie_state: FastTrieState
     trie_start: int  # where `tokens` begin in the context's array
-    # The last kernel-built tree and its evidence (build.request_views), with trie_start and the
-    # nodes awaiting commit in the header of `ints`.
+    # The last kernel-built tree and its evidence (laid out as build.request_views says), with
+    # trie_start and the nodes awaiting commit in the header of `ints`.
     ints: np.ndarray  # int64
-    floats: np.ndarray  # float64
-    out_i: np.ndarray  # [3, nodes] view of `ints`: token, parent, source
-    out_p: np.ndarray  # [nodes] view of `floats`: path probabilities
+    floats: np.ndarray  # float64: path probabilities first
     sam_matches: dict[str, _SamMatch] = field(default_factory=dict)
     pending_py: tuple | None = None  # (tree, evidence) of a Python-built tree
 
@@ -55,6 +53,11 @@ class FastNgramDrafter(NgramDrafter):
                                    config.max_anchors_per_source,
                                    config.max_context_occurrences)
         self._params: dict[int, np.ndarray] = {}  # kernel parameters by budget
+        # Config values read on every step, kept as plain attributes (a request-step is ~15 µs,
+        # so even property and method-call overheads show).
+        self._nodes = config.num_draft_tokens + 1
+        self._depth = config.max_trie_depth
+        self._commit_params = self._kernel_params(0)
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -78,9 +81,8 @@ class FastNgramDrafter(NgramDrafter):
         num_ints, num_floats = bk.request_sizes(cfg.num_draft_tokens, cfg.max_anchors_per_source)
         ints, floats = np.zeros(num_ints, np.int64), np.zeros(num_floats, np.float64)
         ints[bk.R_TRIE_START] = trie_start
-        out_i, _, _, out_p, _ = bk.request_views(ints, floats, self._kernel_params(0))
         self._requests[request_id] = _FastRequest(
-            list(prompt_ids), context, state, trie_start, ints, floats, out_i, out_p)
+            list(prompt_ids), context, state, trie_start, ints, floats)
 
     def commit(self, request_id: str, accepted_token_ids: list[int]) -> None:
         req = self._requests[request_id]
@@ -93,9 +95,9 @@ class FastNgramDrafter(NgramDrafter):
         if req.trie_state.epoch != trie.epoch:  # prompt not inserted: anchor it as NgramTrie does
             trie.anchors(req.trie_state, ctx.tok, len(ctx))
         ctx.reserve(len(new))
-        trie.reserve(len(new) * self.config.max_trie_depth)
+        trie.reserve(len(new) * self._depth)
         # One kernel call: learn from the pending tree, index the tokens, count them.
-        failed = cm.commit(req.ints, req.floats, self._kernel_params(0), new, cal.cal, cal.prior,
+        failed = cm.commit(req.ints, req.floats, self._commit_params, new, cal.cal, cal.prior,
                            self._counts, ctx.tok, ctx.prev, ctx.hashes, ctx.keys, ctx.lens,
                            ctx.vals, ctx.st, trie.cols, trie.edges, trie.runs, trie.meta,
                            req.trie_state.arr)
@@ -109,9 +111,10 @@ class FastNgramDrafter(NgramDrafter):
             raise ValueError("request_ids and budgets must have the same length")
         sams = dict(sorted(self.corpora.snapshot().items())) if self.corpora else {}
         trees = []
+        cap = self._nodes - 1
         for rid, budget in zip(request_ids, budgets):
             req = self._requests[rid]
-            budget = min(budget, self.config.num_draft_tokens)
+            budget = min(budget, cap)
             if sams:
                 tree, evidence = self._build(req, budget, sams)  # type: ignore[arg-type]
                 req.ints[bk.R_PENDING], req.pending_py = 0, (tree, evidence)
@@ -136,14 +139,16 @@ class FastNgramDrafter(NgramDrafter):
         s, trie, ctx = self._scratch, self.trie, req.context
         if budget > 0 and req.trie_state.epoch != trie.epoch:
             trie._sync(req.trie_state)  # NgramDrafter reads trie anchors only for budget > 0
+        params = self._params.get(budget)
+        if params is None:
+            params = self._kernel_params(budget)
         n = bk.build(trie.cols, trie.edges, trie.meta, req.trie_state.arr, ctx.tok, ctx.prev,
-                     ctx.st, self.calibrator.cal, self._kernel_params(budget),
-                     self.config.min_path_prob, s.ints, s.floats, req.ints, req.floats,
-                     self._counts)
+                     ctx.st, self.calibrator.cal, params, self.config.min_path_prob, s.ints,
+                     s.floats, req.ints, req.floats, self._counts)
         req.pending_py = None
-        nodes = req.out_p.shape[0]
-        flat = req.ints[bk.R_HEAD:bk.R_HEAD + 3 * nodes].tolist()  # out_i's rows, one copy
-        return _trusted_tree(flat[:n], flat[nodes:nodes + n], req.out_p[:n].tolist(),
+        nodes = self._nodes
+        flat = req.ints[bk.R_HEAD:bk.R_HEAD + 3 * nodes].tolist()  # token, parent, source rows
+        return _trusted_tree(flat[:n], flat[nodes:nodes + n], req.floats[:n].tolist(),
                              flat[2 * nodes:2 * nodes + n])
 
     def _trie_anchors(self, req: _FastRequest) -> list[tuple[int, int]]:  # type: ignore[override]
