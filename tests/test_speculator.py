@@ -114,3 +114,24 @@ def test_corrections_move_the_draft_size_choice():
     steep = VerifyCost([1, 2, 16], [0.03, 0.05, 0.2])
     assert choose_draft_sizes([tree], 1, steep) == [0]
     assert choose_draft_sizes([tree], 1, steep, base_scale=10.0)[0] > 0
+
+
+def test_request_acceptance_scales_one_request_by_its_own_record():
+    from ngramspec.engine.acceptance import MAX_PROB, RequestAcceptance
+
+    ra = RequestAcceptance(prior_tokens=3.0)
+    tree = chain([0.6, 0.5, 0.4])
+    assert ra.scale(1, chain(list(tree.probs[1:]))).probs == tree.probs  # no record: unchanged
+    for _ in range(10):  # request 1 accepts nothing of an expected 1.5 tokens per step
+        ra.observe(1, 1.5, 0)
+        ra.observe(2, 1.0, 2)  # request 2 accepts twice what was expected
+    assert abs(ra.factor(1) - 3.0 / 18.0) < 1e-12
+    low = ra.scale(1, chain(list(tree.probs[1:]))).probs
+    assert all(abs(a - b * 3.0 / 18.0) < 1e-12 for a, b in zip(low[1:], tree.probs[1:]))
+    high = ra.scale(2, chain(list(tree.probs[1:]))).probs
+    assert high[1] == MAX_PROB and all(a >= b for a, b in zip(high[1:], high[2:]))
+    cost = VerifyCost([1, 2, 16], [0.03, 0.036, 0.06])
+    assert choose_draft_sizes([chain([0.6, 0.5, 0.4])], 1, cost)[0] > 0
+    assert choose_draft_sizes([ra.scale(1, chain([0.6, 0.5, 0.4]))], 1, cost) == [0]
+    ra.forget(1)
+    assert ra.factor(1) == 1.0 and ra.factor(2) > 1.0

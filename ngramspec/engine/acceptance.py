@@ -41,3 +41,40 @@ class AcceptanceCalibrator:
             b = self._bucket(raw_probs[i])
             self.predicted[b] += raw_probs[i]
             self.accepted[b] += i in accepted
+
+
+# Pseudo-tokens of "as expected" behind every request's own correction: a few verify steps are
+# not enough to judge a request, twenty are.
+REQUEST_PRIOR_TOKENS = 3.0
+
+
+class RequestAcceptance:
+    """Per-request correction on top of the global calibration.
+
+    The global calibrator is right on average over all requests, but some requests (free-form
+    writing) accept far less than average and others (edits) far more, so a request's observed
+    accepted / expected ratio, shrunk towards 1 by a prior, scales its estimates: drafting dies
+    down where it keeps failing and grows where it keeps succeeding.
+    """
+
+    def __init__(self, prior_tokens: float = REQUEST_PRIOR_TOKENS) -> None:
+        self.prior = prior_tokens
+        self.stats: dict[int, list[float]] = {}  # key -> [expected, accepted]
+
+    def factor(self, key: int) -> float:
+        expected, accepted = self.stats.get(key, (0.0, 0.0))
+        return (accepted + self.prior) / (expected + self.prior)
+
+    def scale(self, key: int, tree: DraftTree) -> DraftTree:
+        f = self.factor(key)
+        if f != 1.0:  # a constant factor and a constant cap keep the probs non-increasing
+            tree.probs = [1.0] + [min(MAX_PROB, p * f) for p in tree.probs[1:]]
+        return tree
+
+    def observe(self, key: int, expected: float, accepted: int) -> None:
+        s = self.stats.setdefault(key, [0.0, 0.0])
+        s[0] += expected
+        s[1] += accepted
+
+    def forget(self, key: int) -> None:
+        self.stats.pop(key, None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ngramspec.config import EngineConfig
-from ngramspec.engine.acceptance import AcceptanceCalibrator
+from ngramspec.engine.acceptance import AcceptanceCalibrator, RequestAcceptance
 from ngramspec.engine.cost_model import VerifyCost, measure_cost
 from ngramspec.engine.scheduler import Schedule
 from ngramspec.engine.throughput import ThroughputGuard
@@ -27,6 +27,8 @@ class Speculator:
         # The SGLang preset always verifies its full tree, as SGLang does; ours sizes it by cost.
         self.adaptive = config.drafter.preset != "sglang"
         self.calibrator = AcceptanceCalibrator()
+        self.per_request = RequestAcceptance()
+        self._expected: dict[int, float] = {}  # seq_id -> calibrated expected accepted this step
         # Learning from observed step rates only makes sense against a measured cost curve.
         self.guard = ThroughputGuard() if config.verify_cost is None and self.adaptive else None
         self.last_drafted = False
@@ -42,6 +44,8 @@ class Speculator:
 
     def stop(self, seq: Sequence) -> None:
         self.drafter.stop(seq.request_id)
+        self.per_request.forget(seq.seq_id)
+        self._expected.pop(seq.seq_id, None)
 
     def propose(self, schedule: Schedule) -> dict[int, DraftTree]:
         chunks = [c for c in schedule.decodes if c.seq.use_spec]
@@ -57,6 +61,8 @@ class Speculator:
         if self.adaptive:
             raw = [list(tree.probs) for tree in trees]
             trees = [self.calibrator.correct(tree) for tree in trees]
+            calibrated = [list(tree.probs) for tree in trees]  # before the per-request factor
+            trees = [self.per_request.scale(c.seq.seq_id, tree) for c, tree in zip(chunks, trees)]
             base = len(schedule.decodes) + sum(c.num_tokens for c in schedule.prefills)
             scale, penalty = 1.0, 1.0
             probe = False
@@ -66,6 +72,8 @@ class Speculator:
             sizes = [0] * len(trees) if probe else choose_draft_sizes(
                 trees, base, self.cost, penalty, scale)
             trees = [tree.prefix(k) for tree, k in zip(trees, sizes)]
+            for c, k, probs in zip(chunks, sizes, calibrated):  # what per_request will check
+                self._expected[c.seq.seq_id] = sum(probs[1 : k + 1])
             for tree, probs in zip(trees, raw):  # observe() learns from the raw estimates
                 tree.probs = probs[: len(tree)]
             self._predicted = (self.cost(base), predicted_step_cost(sizes, base, self.cost))
@@ -100,6 +108,8 @@ class Speculator:
             return  # the first token comes from prefill, not from a verify step
         if self.adaptive and tree.num_drafts:
             self.calibrator.observe(tree.probs, result.accepted_nodes)
+            expected = self._expected.pop(seq.seq_id, 0.0)
+            self.per_request.observe(seq.seq_id, expected, len(result.accepted_nodes))
         for counters in (seq.spec, stats):
             counters.num_verify_steps += 1
             counters.num_draft_tokens += tree.num_drafts
