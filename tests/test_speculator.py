@@ -45,7 +45,7 @@ probs_st = st.lists(st.floats(0.0, 1.0), min_size=0, max_size=4).map(
 def test_chosen_sizes_reach_the_best_rate(tree_probs, slope):
     cost = VerifyCost([1, 2, 64], [0.03, 0.03 * (1 + 0.1 * slope), 0.03 * (1 + 3 * slope)])
     trees = [chain(p) for p in tree_probs]
-    sizes = choose_draft_sizes(trees, len(trees), cost)
+    sizes = choose_draft_sizes([t.probs for t in trees], len(trees), cost)
     assert all(0 <= k < len(t) for k, t in zip(sizes, trees))
     m = sum(sizes)
     expected = len(trees) + sum(sum(t.probs[1 : k + 1]) for t, k in zip(trees, sizes))
@@ -58,24 +58,24 @@ def test_chosen_sizes_reach_the_best_rate(tree_probs, slope):
 
 def test_no_drafts_when_verify_is_expensive():
     steep = VerifyCost([1, 2, 16], [0.03, 0.06, 0.5])
-    assert choose_draft_sizes([chain([0.5, 0.4, 0.3])], 1, steep) == [0]
+    assert choose_draft_sizes([chain([0.5, 0.4, 0.3]).probs], 1, steep) == [0]
     flat = VerifyCost([1, 16], [0.03, 0.031])
-    assert choose_draft_sizes([chain([0.5, 0.4, 0.3])], 1, flat) == [3]
+    assert choose_draft_sizes([chain([0.5, 0.4, 0.3]).probs], 1, flat) == [3]
 
 
 def test_calibrator_learns_and_keeps_trees_best_first():
     cal = AcceptanceCalibrator()
     tree = chain([0.55, 0.5, 0.45, 0.2])
-    before = cal.correct(chain(list(tree.probs[1:]))).probs
+    before = cal.correct(chain(list(tree.probs[1:])).probs)
     assert all(a >= b for a, b in zip(before, before[1:])), "corrected probs must not increase"
     for _ in range(200):  # nothing is ever accepted: estimates must fall towards zero
         cal.observe(tree.probs, [])
-    after = cal.correct(chain(list(tree.probs[1:]))).probs
+    after = cal.correct(chain(list(tree.probs[1:])).probs)
     assert all(a < b for a, b in zip(after[1:], before[1:]))
     assert after[1] < 0.05
     for _ in range(400):  # now everything is accepted: they rise above the raw values' prior
         cal.observe(tree.probs, [1, 2, 3, 4])
-    rising = cal.correct(chain(list(tree.probs[1:]))).probs
+    rising = cal.correct(chain(list(tree.probs[1:])).probs)
     assert rising[1] > after[1] and rising[1] > 0.5
 
 
@@ -108,12 +108,12 @@ def test_throughput_guard_learns_the_true_base_and_extra_costs():
 def test_corrections_move_the_draft_size_choice():
     flat = VerifyCost([1, 16], [0.03, 0.034])
     tree = chain([0.5, 0.4, 0.3, 0.2])
-    assert choose_draft_sizes([tree], 1, flat) == [4]
-    assert choose_draft_sizes([tree], 1, flat, penalty=50.0) == [0]  # drafting proved dear
+    assert choose_draft_sizes([tree.probs], 1, flat) == [4]
+    assert choose_draft_sizes([tree.probs], 1, flat, penalty=50.0) == [0]  # drafting proved dear
     # A plain step that really costs 10x the curve makes the same extra relatively cheap.
     steep = VerifyCost([1, 2, 16], [0.03, 0.05, 0.2])
-    assert choose_draft_sizes([tree], 1, steep) == [0]
-    assert choose_draft_sizes([tree], 1, steep, base_scale=10.0)[0] > 0
+    assert choose_draft_sizes([tree.probs], 1, steep) == [0]
+    assert choose_draft_sizes([tree.probs], 1, steep, base_scale=10.0)[0] > 0
 
 
 def test_request_acceptance_scales_one_request_by_its_own_record():
@@ -121,17 +121,17 @@ def test_request_acceptance_scales_one_request_by_its_own_record():
 
     ra = RequestAcceptance(prior_tokens=3.0)
     tree = chain([0.6, 0.5, 0.4])
-    assert ra.scale(1, chain(list(tree.probs[1:]))).probs == tree.probs  # no record: unchanged
+    assert ra.scale(1, chain(list(tree.probs[1:])).probs) == tree.probs  # no record: unchanged
     for _ in range(10):  # request 1 accepts nothing of an expected 1.5 tokens per step
         ra.observe(1, 1.5, 0)
         ra.observe(2, 1.0, 2)  # request 2 accepts twice what was expected
     assert abs(ra.factor(1) - 3.0 / 18.0) < 1e-12
-    low = ra.scale(1, chain(list(tree.probs[1:]))).probs
+    low = ra.scale(1, chain(list(tree.probs[1:])).probs)
     assert all(abs(a - b * 3.0 / 18.0) < 1e-12 for a, b in zip(low[1:], tree.probs[1:]))
-    high = ra.scale(2, chain(list(tree.probs[1:]))).probs
+    high = ra.scale(2, chain(list(tree.probs[1:])).probs)
     assert high[1] == MAX_PROB and all(a >= b for a, b in zip(high[1:], high[2:]))
     cost = VerifyCost([1, 2, 16], [0.03, 0.036, 0.06])
-    assert choose_draft_sizes([chain([0.6, 0.5, 0.4])], 1, cost)[0] > 0
-    assert choose_draft_sizes([ra.scale(1, chain([0.6, 0.5, 0.4]))], 1, cost) == [0]
+    assert choose_draft_sizes([chain([0.6, 0.5, 0.4]).probs], 1, cost)[0] > 0
+    assert choose_draft_sizes([ra.scale(1, chain([0.6, 0.5, 0.4]).probs)], 1, cost) == [0]
     ra.forget(1)
     assert ra.factor(1) == 1.0 and ra.factor(2) > 1.0

@@ -8,8 +8,6 @@ ratios are the prior, and every verified node updates its bucket online.
 
 from __future__ import annotations
 
-from ngramspec.spec.tree import DraftTree
-
 # Observed accepted / predicted per 0.1-wide bucket of the raw estimate (replayed streams).
 PRIOR_RATIO = (0.6, 0.56, 0.58, 0.65, 0.68, 0.8, 0.8, 0.9, 0.94, 1.0)
 PRIOR_MASS = 5.0  # predicted probability mass behind each bucket's prior
@@ -25,15 +23,15 @@ class AcceptanceCalibrator:
     def _bucket(p: float) -> int:
         return min(int(p * len(PRIOR_RATIO)), len(PRIOR_RATIO) - 1)
 
-    def correct(self, tree: DraftTree) -> DraftTree:
-        """Calibrated probs, kept non-increasing so every prefix stays the best one."""
-        probs, floor = [1.0], 1.0
-        for p in tree.probs[1:]:
+    def correct(self, probs: list[float]) -> list[float]:
+        """Calibrated copy of a tree's probs (root first), kept non-increasing so every prefix
+        stays the best one."""
+        out, floor = [1.0], 1.0
+        for p in probs[1:]:
             b = self._bucket(p)
             floor = min(floor, MAX_PROB, p * self.accepted[b] / self.predicted[b])
-            probs.append(floor)
-        tree.probs = probs
-        return tree
+            out.append(floor)
+        return out
 
     def observe(self, raw_probs: list[float], accepted_nodes: list[int]) -> None:
         accepted = set(accepted_nodes)
@@ -65,11 +63,13 @@ class RequestAcceptance:
         expected, accepted = self.stats.get(key, (0.0, 0.0))
         return (accepted + self.prior) / (expected + self.prior)
 
-    def scale(self, key: int, tree: DraftTree) -> DraftTree:
+    def scale(self, key: int, probs: list[float]) -> list[float]:
+        """The request's corrected probs (root first); the same list when it has no record."""
         f = self.factor(key)
-        if f != 1.0:  # a constant factor and a constant cap keep the probs non-increasing
-            tree.probs = [1.0] + [min(MAX_PROB, p * f) for p in tree.probs[1:]]
-        return tree
+        if f == 1.0:
+            return probs
+        # A constant factor and a constant cap keep the probs non-increasing.
+        return [1.0] + [min(MAX_PROB, p * f) for p in probs[1:]]
 
     def observe(self, key: int, expected: float, accepted: int) -> None:
         s = self.stats.setdefault(key, [0.0, 0.0])

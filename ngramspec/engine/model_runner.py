@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -47,21 +48,22 @@ class ModelRunner:
 
     def _prepare(self, items: list[ForwardItem]):
         dev = self.device
-        flat_ids, flat_pos, flat_slots, logit_rows, offsets = [], [], [], [], []
+        flat_ids, flat_pos, flat_slots, logit_rows = [], [], [], []
+        # size class -> (its items, their offsets in the flat token order)
+        by_size: dict[int, tuple[list[ForwardItem], list[int]]] = {}
         offset = 0
         for it in items:
             flat_ids += it.token_ids
             flat_pos += it.positions
             flat_slots += it.slots
             logit_rows += [offset + r for r in it.logits_rows]
+            members, offsets = by_size.setdefault(
+                bisect.bisect_left(SIZE_CLASS_LIMITS, len(it.token_ids)), ([], []))
+            members.append(it)
             offsets.append(offset)
             offset += len(it.token_ids)
-        by_size: dict[int, list[int]] = {}
-        for b, it in enumerate(items):
-            by_size.setdefault(_size_class(len(it.token_ids)), []).append(b)
-        groups = [self._group([items[b] for b in members], [offsets[b] for b in members],
-                              whole=len(by_size) == 1)
-                  for _, members in sorted(by_size.items())]
+        groups = [self._group(members, offsets, whole=len(by_size) == 1)
+                  for _, (members, offsets) in sorted(by_size.items())]
         meta = AttentionMetadata(slot_mapping=torch.tensor(flat_slots, device=dev), groups=groups)
         # dtype is explicit: a step of mid-prompt chunks only needs no logits, and an empty
         # tensor would default to float, which cannot index.
@@ -105,10 +107,7 @@ class ModelRunner:
         return self._causal[n]
 
 
-# Query-length classes padded together: single-token decodes, draft trees and short chunks, and
-# long prefill chunks. More classes pad less but cost an SDPA call per layer each.
+# Query-length classes padded together (class = bisect_left(limits, n)): single-token decodes,
+# draft trees and short chunks, and long prefill chunks. More classes pad less but cost an SDPA
+# call per layer each.
 SIZE_CLASS_LIMITS = (1, 16)
-
-
-def _size_class(num_queries: int) -> int:
-    return sum(num_queries > limit for limit in SIZE_CLASS_LIMITS)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from ngramspec.config import EngineConfig
 from ngramspec.engine.acceptance import AcceptanceCalibrator, RequestAcceptance
 from ngramspec.engine.cost_model import VerifyCost, measure_cost
-from ngramspec.engine.scheduler import Schedule
+from ngramspec.engine.scheduler import Schedule, ScheduledChunk
 from ngramspec.engine.throughput import ThroughputGuard
 from ngramspec.engine.sequence import Sequence
 from ngramspec.spec.config import make_drafter
@@ -31,7 +31,6 @@ class Speculator:
         self._expected: dict[int, float] = {}  # seq_id -> calibrated expected accepted this step
         # Learning from observed step rates only makes sense against a measured cost curve.
         self.guard = ThroughputGuard() if config.verify_cost is None and self.adaptive else None
-        self.last_drafted = False
         self._predicted: tuple[float, float] | None = None  # (base, step) seconds of this step
         if config.verify_cost is not None:
             self.cost = VerifyCost.from_relative(config.verify_cost)
@@ -59,25 +58,7 @@ class Speculator:
         trees = [self._fit(tree, budget) for tree in trees]
         self._predicted = None
         if self.adaptive:
-            raw = [list(tree.probs) for tree in trees]
-            trees = [self.calibrator.correct(tree) for tree in trees]
-            calibrated = [list(tree.probs) for tree in trees]  # before the per-request factor
-            trees = [self.per_request.scale(c.seq.seq_id, tree) for c, tree in zip(chunks, trees)]
-            base = len(schedule.decodes) + sum(c.num_tokens for c in schedule.prefills)
-            scale, penalty = 1.0, 1.0
-            probe = False
-            if self.guard is not None:
-                scale, penalty = self.guard.correction(len(schedule.decodes))
-                probe = self.guard.should_probe()
-            sizes = [0] * len(trees) if probe else choose_draft_sizes(
-                trees, base, self.cost, penalty, scale)
-            trees = [tree.prefix(k) for tree, k in zip(trees, sizes)]
-            for c, k, probs in zip(chunks, sizes, calibrated):  # what per_request will check
-                self._expected[c.seq.seq_id] = sum(probs[1 : k + 1])
-            for tree, probs in zip(trees, raw):  # observe() learns from the raw estimates
-                tree.probs = probs[: len(tree)]
-            self._predicted = (self.cost(base), predicted_step_cost(sizes, base, self.cost))
-        self.last_drafted = any(tree.num_drafts for tree in trees)
+            trees = self._size(chunks, trees, schedule)
         out: dict[int, DraftTree] = {}
         for chunk, tree in zip(chunks, trees):
             # The root is the sequence's last token whatever the drafter says: never trust a
@@ -90,6 +71,27 @@ class Speculator:
                 chunk.slots.extend(slots)
             out[chunk.seq.seq_id] = tree
         return out
+
+    def _size(self, chunks: list[ScheduledChunk], trees: list[DraftTree],
+              schedule: Schedule) -> list[DraftTree]:
+        """Keep the prefix of each tree that pays for its verify cost.
+
+        Trees keep the drafter's raw estimates (what the global calibrator learns from); the
+        sizing uses them calibrated globally and then per request.
+        """
+        calibrated = [self.calibrator.correct(tree.probs) for tree in trees]
+        probs = [self.per_request.scale(c.seq.seq_id, p) for c, p in zip(chunks, calibrated)]
+        base = len(schedule.decodes) + sum(c.num_tokens for c in schedule.prefills)
+        scale, penalty, probe = 1.0, 1.0, False
+        if self.guard is not None:
+            scale, penalty = self.guard.correction(len(schedule.decodes))
+            probe = self.guard.should_probe()
+        sizes = [0] * len(trees) if probe else choose_draft_sizes(
+            probs, base, self.cost, penalty, scale)
+        for c, k, p in zip(chunks, sizes, calibrated):  # what per_request will check
+            self._expected[c.seq.seq_id] = sum(p[1 : k + 1])
+        self._predicted = (self.cost(base), predicted_step_cost(sizes, base, self.cost))
+        return [tree.prefix(k) for tree, k in zip(trees, sizes)]
 
     def after_step(self, schedule: Schedule, seconds: float) -> None:
         """Feed a decode-only step's time to the guard (prefill steps are not comparable)."""
@@ -123,33 +125,35 @@ TREE_STEP_OVERHEAD_S = 5e-4
 PER_TREE_OVERHEAD_S = 3e-4
 
 
-def choose_draft_sizes(trees: list[DraftTree], base_tokens: int, cost: VerifyCost,
+def host_overhead(num_trees: int) -> float:
+    """Host-side seconds of a step that verifies `num_trees` drafting trees (0 if none)."""
+    return TREE_STEP_OVERHEAD_S + PER_TREE_OVERHEAD_S * num_trees if num_trees else 0.0
+
+
+def choose_draft_sizes(probs: list[list[float]], base_tokens: int, cost: VerifyCost,
                        penalty: float = 1.0, base_scale: float = 1.0) -> list[int]:
     """Draft nodes to keep per tree, maximising expected emitted tokens per second of step time.
 
-    Every node's `probs` is its estimated chance of being accepted, so keeping the m most likely
-    nodes over the whole batch yields 1 + sum(p) tokens per decoding sequence. Nodes are taken
-    best-first across trees (each tree's nodes are already best-first, so every tree keeps a prefix).
-    `base_scale` and `penalty` (learned from observed step times) correct the curve's plain step
-    time and its extra time for drafting.
+    `probs[t][i]` is node i's estimated chance of being accepted (root first), so keeping the m
+    most likely nodes over the whole batch yields 1 + sum(p) tokens per decoding sequence. Nodes
+    are taken best-first across trees (each tree's nodes are already best-first, so every tree
+    keeps a prefix). `base_scale` and `penalty` (learned from observed step times) correct the
+    curve's plain step time and its extra time for drafting.
     """
-    nodes = sorted(
-        ((-p, t, i) for t, tree in enumerate(trees) for i, p in enumerate(tree.probs) if i > 0)
-    )
-    expected = float(len(trees))
+    nodes = sorted((-p, t, i) for t, tree in enumerate(probs) for i, p in enumerate(tree) if i > 0)
+    expected = float(len(probs))
     base_cost = cost(base_tokens)
     plain = base_scale * base_cost
     best_m, best_rate = 0, expected / plain
-    overhead, drafting = TREE_STEP_OVERHEAD_S, set()
+    drafting: set[int] = set()
     for m, (neg_p, t, _) in enumerate(nodes, start=1):
         expected -= neg_p
-        if t not in drafting:
-            drafting.add(t)
-            overhead += PER_TREE_OVERHEAD_S
-        rate = expected / (plain + penalty * (cost(base_tokens + m) - base_cost + overhead))
+        drafting.add(t)
+        extra = cost(base_tokens + m) - base_cost + host_overhead(len(drafting))
+        rate = expected / (plain + penalty * extra)
         if rate > best_rate:
             best_m, best_rate = m, rate
-    sizes = [0] * len(trees)
+    sizes = [0] * len(probs)
     for _, t, _ in nodes[:best_m]:
         sizes[t] += 1
     return sizes
@@ -157,8 +161,4 @@ def choose_draft_sizes(trees: list[DraftTree], base_tokens: int, cost: VerifyCos
 
 def predicted_step_cost(sizes: list[int], base_tokens: int, cost: VerifyCost) -> float:
     """The curve's step time (host overheads included) for these draft sizes."""
-    drafted = sum(sizes)
-    if not drafted:
-        return cost(base_tokens)
-    trees = sum(1 for k in sizes if k)
-    return cost(base_tokens + drafted) + TREE_STEP_OVERHEAD_S + PER_TREE_OVERHEAD_S * trees
+    return cost(base_tokens + sum(sizes)) + host_overhead(sum(1 for k in sizes if k))

@@ -52,10 +52,15 @@ class Scratch:
         self.floats = np.zeros(3 * self.cursors, np.float64)
 
 
+def tree_sizes(budget: int, anchors: int) -> tuple[int, int]:
+    """(nodes, evidence slots) of one tree: each node has at most one cursor per root anchor."""
+    nodes = budget + 1
+    return nodes, nodes * (2 * anchors + 1)
+
+
 def request_sizes(budget: int, anchors: int) -> tuple[int, int]:
     """(int, float) buffer lengths of one request's tree and evidence (see `request_views`)."""
-    nodes = budget + 1
-    evidence = nodes * (2 * anchors + 1)
+    nodes, evidence = tree_sizes(budget, anchors)
     return R_HEAD + 3 * nodes + 2 * evidence + nodes + 1, nodes + evidence
 
 

@@ -30,13 +30,17 @@ class _FastRequest:
     tokens: list[int]  # prompt + committed output (the SAM matcher reads it)
     context: FastContextIndex  # references + separator + tokens
     trie_state: FastTrieState
-    trie_start: int  # where `tokens` begin in the context's array
     # The last kernel-built tree and its evidence (laid out as build.request_views says), with
     # trie_start and the nodes awaiting commit in the header of `ints`.
     ints: np.ndarray  # int64
     floats: np.ndarray  # float64: path probabilities first
     sam_matches: dict[str, _SamMatch] = field(default_factory=dict)
     pending_py: tuple | None = None  # (tree, evidence) of a Python-built tree
+
+    @property
+    def trie_start(self) -> int:
+        """Where `tokens` begin in the context's array (after any reference documents)."""
+        return int(self.ints[bk.R_TRIE_START])
 
 
 class FastNgramDrafter(NgramDrafter):
@@ -57,7 +61,7 @@ class FastNgramDrafter(NgramDrafter):
         # so even property and method-call overheads show).
         self._nodes = config.num_draft_tokens + 1
         self._depth = config.max_trie_depth
-        self._commit_params = self._kernel_params(0)
+        self._commit_params = self._new_params(0)
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -81,8 +85,7 @@ class FastNgramDrafter(NgramDrafter):
         num_ints, num_floats = bk.request_sizes(cfg.num_draft_tokens, cfg.max_anchors_per_source)
         ints, floats = np.zeros(num_ints, np.int64), np.zeros(num_floats, np.float64)
         ints[bk.R_TRIE_START] = trie_start
-        self._requests[request_id] = _FastRequest(
-            list(prompt_ids), context, state, trie_start, ints, floats)
+        self._requests[request_id] = _FastRequest(list(prompt_ids), context, state, ints, floats)
 
     def commit(self, request_id: str, accepted_token_ids: list[int]) -> None:
         req = self._requests[request_id]
@@ -123,16 +126,14 @@ class FastNgramDrafter(NgramDrafter):
             trees.append(tree)
         return trees
 
-    def _kernel_params(self, budget: int) -> np.ndarray:
-        params = self._params.get(budget)
-        if params is None:
-            cfg, s = self.config, self._scratch
-            nodes = cfg.num_draft_tokens + 1
-            params = np.array([budget, cfg.max_bfs_breadth, cfg.max_anchors_per_source,
-                               cfg.max_context_occurrences, s.cursors, s.pool, s.groups, nodes,
-                               nodes * (2 * cfg.max_anchors_per_source + 1),
-                               cfg.max_context_match, int(cfg.calibrate)], np.int64)
-            self._params[budget] = params
+    def _new_params(self, budget: int) -> np.ndarray:
+        """The kernels' parameter array for `budget` (cached in `_params`)."""
+        cfg, s = self.config, self._scratch
+        nodes, evidence = bk.tree_sizes(cfg.num_draft_tokens, cfg.max_anchors_per_source)
+        params = np.array([budget, cfg.max_bfs_breadth, cfg.max_anchors_per_source,
+                           cfg.max_context_occurrences, s.cursors, s.pool, s.groups, nodes,
+                           evidence, cfg.max_context_match, int(cfg.calibrate)], np.int64)
+        self._params[budget] = params
         return params
 
     def _build_fast(self, req: _FastRequest, budget: int) -> DraftTree:
@@ -141,7 +142,7 @@ class FastNgramDrafter(NgramDrafter):
             trie._sync(req.trie_state)  # NgramDrafter reads trie anchors only for budget > 0
         params = self._params.get(budget)
         if params is None:
-            params = self._kernel_params(budget)
+            params = self._new_params(budget)
         n = bk.build(trie.cols, trie.edges, trie.meta, req.trie_state.arr, ctx.tok, ctx.prev,
                      ctx.st, self.calibrator.cal, params, self.config.min_path_prob, s.ints,
                      s.floats, req.ints, req.floats, self._counts)
