@@ -9,7 +9,7 @@ if TYPE_CHECKING:
     from ngramspec.llm import LLM
     from ngramspec.outputs import RequestOutput
     from ngramspec.sampling_params import SamplingParams
-    from ngramspec.spec.config import DrafterConfig
+    from ngramspec.drafting.config import DrafterConfig
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "DrafterConfig", "RequestOutput"]
 
@@ -17,7 +17,7 @@ _HOMES = {
     "LLM": "ngramspec.llm",
     "SamplingParams": "ngramspec.sampling_params",
     "EngineConfig": "ngramspec.config",
-    "DrafterConfig": "ngramspec.spec.config",
+    "DrafterConfig": "ngramspec.drafting.config",
     "RequestOutput": "ngramspec.outputs",
 }
 

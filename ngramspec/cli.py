@@ -9,7 +9,7 @@ from typing import Any
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine options shared by every command that runs the model (plus all drafter options)."""
-    from ngramspec.spec.cli import add_drafter_args
+    from ngramspec.cli_drafting import add_drafter_args
 
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)")
@@ -45,7 +45,7 @@ def _verify_cost(text: str) -> list[float]:
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    from ngramspec.spec.cli import drafter_config_from_args
+    from ngramspec.cli_drafting import drafter_config_from_args
 
     spec = None if args.speculative in (None, "none") else args.speculative
     return dict(model=args.model, device=args.device, dtype=args.dtype,

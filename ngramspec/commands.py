@@ -14,7 +14,7 @@ from ngramspec.cli import (add_engine_args, add_sampling_args, engine_kwargs_fro
 
 def register(sub: Any) -> None:
     from ngramspec import demo
-    from ngramspec.spec import cli as spec_cli
+    from ngramspec import cli_drafting as spec_cli
 
     p = sub.add_parser("generate", help="complete one prompt")
     p.add_argument("prompt")

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ngramspec.spec.config import DrafterConfig
+from ngramspec.drafting.config import DrafterConfig
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}

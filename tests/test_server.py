@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ngramspec import LLM, SamplingParams
-from ngramspec.spec import persist
+from ngramspec.corpus import ngc as persist
 
 pytestmark = pytest.mark.slow
 

@@ -217,7 +217,7 @@ def _fake_engine(**drafter_overrides):
     """What learned.py touches: engine.speculator.drafter and engine.config.drafter."""
     from types import SimpleNamespace
 
-    from ngramspec.spec.config import DrafterConfig, make_drafter
+    from ngramspec.drafting.config import DrafterConfig, make_drafter
 
     config = DrafterConfig(**drafter_overrides)
     drafter = make_drafter(config)
@@ -229,7 +229,7 @@ def test_learned_corpus_round_trip(tmp_path: Path) -> None:
     import numpy as np
 
     from ngramspec.server import learned, state
-    from ngramspec.spec.persist import CorruptFileError
+    from ngramspec.corpus.ngc import CorruptFileError
 
     source = _fake_engine()
     source.speculator.drafter.start("r", [5, 6, 7, 5, 6, 8, 5, 6, 7])

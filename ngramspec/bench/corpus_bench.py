@@ -21,9 +21,9 @@ import time
 import tracemalloc
 from typing import Any
 
-from ngramspec.spec.cli import add_drafter_args, drafter_config_from_args
-from ngramspec.spec.config import DrafterConfig, make_drafter
-from ngramspec.spec.simulator import Stream, read_streams, replay
+from ngramspec.cli_drafting import add_drafter_args, drafter_config_from_args, load_corpora
+from ngramspec.drafting.config import DrafterConfig, make_drafter
+from ngramspec.simulator.replay import Stream, read_streams, replay
 
 DEFAULT_STREAMS = ["data/streams/code_edit.jsonl", "data/streams/spec_bench.jsonl"]
 CONCURRENCIES = (1, 16, 64)
@@ -35,16 +35,17 @@ def _median(values: list[float]) -> float:
 
 
 def step_cost(config: DrafterConfig, streams: list[Stream], concurrency: int,
-              repeats: int = 1) -> dict[str, Any]:
+              repeats: int = 1, corpora: Any = None) -> dict[str, Any]:
     """The fastest of `repeats` replays (by median µs per request-step), with every run's median."""
-    runs = [_one_replay(config, streams, concurrency) for _ in range(repeats)]
+    runs = [_one_replay(config, streams, concurrency, corpora) for _ in range(repeats)]
     best = dict(min(runs, key=lambda r: r["median_us"]))
     best["run_medians_us"] = [r["median_us"] for r in runs]
     return best
 
 
-def _one_replay(config: DrafterConfig, streams: list[Stream], concurrency: int) -> dict[str, Any]:
-    drafter = make_drafter(config)
+def _one_replay(config: DrafterConfig, streams: list[Stream], concurrency: int,
+                corpora: Any = None) -> dict[str, Any]:
+    drafter = make_drafter(config, corpora)
     t0 = time.perf_counter()
     results = replay(drafter, streams, config.num_draft_tokens, concurrency)
     wall = time.perf_counter() - t0
@@ -72,12 +73,13 @@ def find_trie(drafter: Any) -> Any:
     return None
 
 
-def trie_memory(config: DrafterConfig, streams: list[Stream]) -> dict[str, Any]:
+def trie_memory(config: DrafterConfig, streams: list[Stream],
+                corpora: Any = None) -> dict[str, Any]:
     gc.collect()
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        drafter = make_drafter(config)
+        drafter = make_drafter(config, corpora)
         replay(drafter, streams, config.num_draft_tokens, 1)
         gc.collect()
         traced = tracemalloc.get_traced_memory()[0] - before
@@ -96,12 +98,16 @@ def trie_memory(config: DrafterConfig, streams: list[Stream]) -> dict[str, Any]:
 
 
 def run_bench(configs: dict[str, DrafterConfig], streams: list[Stream],
-              concurrencies: tuple[int, ...] = CONCURRENCIES, repeats: int = 3) -> dict[str, Any]:
-    replay(make_drafter(next(iter(configs.values()))), streams[:2], 11, 1)  # warm-up (JIT, caches)
+              concurrencies: tuple[int, ...] = CONCURRENCIES, repeats: int = 3,
+              corpora: Any = None) -> dict[str, Any]:
+    """`corpora`: external corpora every drafter reads (an ExternalCorpora), or None."""
+    warm = make_drafter(next(iter(configs.values())), corpora)
+    replay(warm, streams[:2], 11, 1)  # warm-up (JIT, caches)
     out: dict[str, Any] = {}
     for name, config in configs.items():
-        out[name] = {"steps": [step_cost(config, streams, c, repeats) for c in concurrencies],
-                     "memory": trie_memory(config, streams)}
+        out[name] = {"steps": [step_cost(config, streams, c, repeats, corpora)
+                               for c in concurrencies],
+                     "memory": trie_memory(config, streams, corpora)}
     return out
 
 
@@ -140,6 +146,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCIES))
     p.add_argument("--repeats", type=int, default=3,
                    help="replays per concurrency; the fastest run's medians are reported")
+    p.add_argument("--corpus", action="append", default=[], metavar="NAME.ngc",
+                   help="external corpus built with `corpus build` (repeatable), read by every "
+                        "drafter")
     p.add_argument("--json", action="store_true")
     add_drafter_args(p)
 
@@ -152,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
         configs[preset] = drafter_config_from_args(args)
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
-    results = run_bench(configs, streams, tuple(args.concurrency), args.repeats)
+    corpora = load_corpora(args.corpus, configs[args.presets[0]].external_corpus_max_tokens)
+    results = run_bench(configs, streams, tuple(args.concurrency), args.repeats, corpora)
     if args.json:
         print(json.dumps(results, indent=1))
     else:

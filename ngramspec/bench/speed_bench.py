@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_all(args: argparse.Namespace, prompts: list[BenchPrompt]) -> tuple[dict[str, ConfigRun], dict]:
     from ngramspec.cli import engine_kwargs_from_args
-    from ngramspec.spec.config import DrafterConfig
+    from ngramspec.drafting.config import DrafterConfig
 
     base = engine_kwargs_from_args(args)
     base["max_num_seqs"] = args.concurrency

@@ -19,8 +19,8 @@ from ngramspec.layers.attention import KVCache
 from ngramspec.models.loader import (load_model_config, load_state_dict, load_tokenizer,
                                      resolve_model_dir)
 from ngramspec.sampling_params import SamplingParams
-from ngramspec.spec.tree import DraftTree
-from ngramspec.spec.verify import VerifyResult, verify_greedy, verify_sampled
+from ngramspec.drafting.tree import DraftTree
+from ngramspec.engine.verify import VerifyResult, verify_greedy, verify_sampled
 
 
 @dataclass(slots=True)

@@ -10,9 +10,9 @@ from ngramspec.engine.cost_model import VerifyCost, measure_cost
 from ngramspec.engine.scheduler import Schedule, ScheduledChunk
 from ngramspec.engine.throughput import ThroughputGuard
 from ngramspec.engine.sequence import Sequence
-from ngramspec.spec.config import make_drafter
-from ngramspec.spec.tree import DraftTree
-from ngramspec.spec.verify import VerifyResult
+from ngramspec.drafting.config import make_drafter
+from ngramspec.drafting.tree import DraftTree
+from ngramspec.engine.verify import VerifyResult
 
 if TYPE_CHECKING:
     from ngramspec.engine.engine import EngineStats, LLMEngine

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ngramspec.engine.engine import LLMEngine
-from ngramspec.spec import persist
+from ngramspec.corpus import ngc as persist
 
 STATE_KIND = "trie"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ngramspec.server.protocol import ApiError
-from ngramspec.spec.corpus_files import expand_paths
+from ngramspec.corpus.readers import expand_paths
 
 Scope = dict[str, Any]
 

@@ -17,7 +17,7 @@ from ngramspec.engine.engine import LLMEngine
 from ngramspec.server import learned
 from ngramspec.server.async_engine import AsyncEngine
 from ngramspec.server.metrics import ServerMetrics
-from ngramspec.spec.corpus import ExternalCorpora
+from ngramspec.corpus.registry import ExternalCorpora
 
 log = logging.getLogger("ngramspec.server")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"

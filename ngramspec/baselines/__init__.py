@@ -1,0 +1,1 @@
+"""Peers re-implemented faithfully, for comparison."""

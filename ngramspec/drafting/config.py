@@ -1,0 +1,139 @@
+"""Drafter configuration: our n-gram drafter and a faithful SGLang preset share one dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from ngramspec.drafting.protocol import Drafter
+    from ngramspec.drafting.index.sam import SuffixAutomaton
+
+# Measured bytes per live trie node of drafting/oracle/trie.py (parallel Python lists, one global edge dict,
+# CPython 3.11; tests/test_drafting_trie.py::test_bytes_per_node_budget): about 270 B on chain-heavy
+# text, so 3M nodes stay near 0.8 GiB. The numba trie (drafting/index/trie.py) needs 47-53 B per node
+# fully grown (a 36 B record plus two id-only hash tables), i.e. 0.14 GiB at 3M and 0.79 GiB at
+# 16M; the default stays at 3M because it must also suit the Python backend. SGLang's C++ node is
+# 176 B and preallocated (10M nodes = 1.76 GB up front); ours grow on demand, so capacity is a
+# bound, not an up-front cost.
+DEFAULT_CAPACITY = 3_000_000
+SGLANG_CAPACITY = 10_000_000
+
+
+class CorpusSnapshot(Protocol):
+    def snapshot(self) -> dict[str, SuffixAutomaton]:
+        """The external corpora in use now, by name (a consistent view)."""
+
+
+@dataclass(slots=True)
+class DrafterConfig:
+    preset: str = "ngramspec"  # "ngramspec" (ours) | "sglang" (faithful SGLang NGRAM)
+    # ngramspec preset: "numba" (compiled, spec/fast/), "python" (the reference) or "auto"
+    # (numba when importable). Both give identical trees.
+    backend: str = "auto"
+    draft_token_num: int = 12  # tree size including the root (SGLang's d); drafts = d - 1
+    # D: longest n-gram stored in the trie. SGLang uses 18; ours stops at 8 because the request's
+    # own context index covers the long matches: on the 58 replay streams depths 6-18 give the same
+    # mean acceptance (2.43 at 8 vs 2.41 at 18) while 8 stores 2.7x fewer nodes and counts 2.25x
+    # fewer n-grams per committed token.
+    max_trie_depth: int = 8
+    min_bfs_breadth: int = 1
+    max_bfs_breadth: int = 10  # also the top-k children read per node by our drafter
+    match_type: str = "BFS"  # "BFS" | "PROB" (sglang preset only)
+    capacity: int = DEFAULT_CAPACITY  # trie nodes
+    external_sam_budget: int = 0  # sglang preset: draft nodes reserved for external SAMs
+    external_corpus_max_tokens: int = 10_000_000
+    # ---- ngramspec knobs
+    max_context_match: int = 16  # longest suffix looked up in the request's own context
+    max_sam_match: int = 24  # longest suffix looked up in an external corpus
+    # Replays of the 58 streams: 16 occurrences and 2 anchors accept as much as 64 and 3 (2.44 vs
+    # 2.43 mean accepted, no category lower) and make a request-step about 15% cheaper.
+    max_context_occurrences: int = 16  # most recent earlier occurrences used per context match
+    max_anchors_per_source: int = 2  # matched suffix lengths per source expanded into the tree
+    min_path_prob: float = 0.0  # nodes whose estimated path acceptance is below are not drafted
+    insert_prompt: bool = True  # put prompts into the global trie (count once)
+    calibrate: bool = True  # learn acceptance per (source, match length) online
+    calibration_prior_weight: float = 8.0  # pseudo-trials behind the prior factor of a bucket
+
+    def __post_init__(self) -> None:
+        _check(self.preset in ("ngramspec", "sglang"), "preset", "must be 'ngramspec' or 'sglang'")
+        _check(self.match_type in ("BFS", "PROB"), "match_type", "must be 'BFS' or 'PROB'")
+        _check(self.backend in ("auto", "python", "numba"), "backend",
+               "must be 'auto', 'python' or 'numba'")
+        _check(self.draft_token_num > 0, "draft_token_num", "must be > 0")
+        _check(self.max_trie_depth > 1, "max_trie_depth", "must be > 1")
+        _check(self.min_bfs_breadth > 0, "min_bfs_breadth", "must be > 0")
+        _check(
+            self.max_bfs_breadth >= self.min_bfs_breadth,
+            "max_bfs_breadth", f"must be >= min_bfs_breadth ({self.min_bfs_breadth})",
+        )
+        # SGLang lacks this check and crashes in squeeze() when capacity <= D (#36495).
+        _check(
+            self.capacity > self.max_trie_depth,
+            "capacity", f"must be > max_trie_depth ({self.max_trie_depth})",
+        )
+        _check(
+            0 <= self.external_sam_budget < self.draft_token_num,
+            "external_sam_budget",
+            f"must be in [0, draft_token_num - 1 = {self.draft_token_num - 1}]",
+        )
+        _check(self.external_corpus_max_tokens > 0, "external_corpus_max_tokens", "must be > 0")
+        for name in ("max_context_match", "max_sam_match", "max_context_occurrences",
+                     "max_anchors_per_source"):
+            _check(getattr(self, name) > 0, name, "must be > 0")
+        _check(0.0 <= self.min_path_prob < 1.0, "min_path_prob", "must be in [0, 1)")
+        _check(self.calibration_prior_weight > 0, "calibration_prior_weight", "must be > 0")
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft nodes per tree, root excluded (SGLang's get_draft_token_num)."""
+        return self.draft_token_num - 1
+
+    @classmethod
+    def sglang(cls, **overrides: object) -> DrafterConfig:
+        """SGLang's server defaults (§4.1): d=12, D=18, breadth 1..10, BFS, capacity 10M.
+
+        The 10M capacity is SGLang's; there it preallocates 1.76 GB. Our nodes are allocated on
+        demand and about 270 B each, so it is a bound, not an up-front cost.
+        """
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"unknown DrafterConfig fields: {unknown}")
+        base = cls(preset="sglang", draft_token_num=12, max_trie_depth=18, min_bfs_breadth=1,
+                   max_bfs_breadth=10, match_type="BFS", capacity=SGLANG_CAPACITY,
+                   external_sam_budget=0, external_corpus_max_tokens=10_000_000)
+        return replace(base, **overrides)  # replace() re-runs validation
+
+
+def _check(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"DrafterConfig.{field_name} {message}")
+
+
+def make_drafter(config: DrafterConfig, corpora: CorpusSnapshot | None = None) -> Drafter:
+    """Build the drafter a config asks for; the SGLang preset is imported only when used."""
+    if config.preset == "sglang":
+        from ngramspec.baselines.sglang.drafter import SGLangDrafter
+
+        return SGLangDrafter(config, corpora)
+    if resolve_backend(config.backend) == "numba":
+        from ngramspec.drafting.drafter import FastNgramDrafter
+
+        return FastNgramDrafter(config, corpora)
+    from ngramspec.drafting.oracle.drafter import NgramDrafter
+
+    return NgramDrafter(config, corpora)
+
+
+def resolve_backend(backend: str) -> str:
+    """"python" or "numba" ("auto" = numba when importable); numba missing is an error."""
+    from ngramspec.drafting.kernels import numba_available
+
+    if backend == "python":
+        return "python"
+    if numba_available():
+        return "numba"
+    if backend == "numba":
+        raise ValueError("DrafterConfig.backend 'numba' needs numba installed")
+    return "python"

@@ -1,0 +1,1 @@
+"""The indexes drafts come from: the global trie, the per-request context index, suffix automata."""

@@ -1,0 +1,356 @@
+"""numba kernel of the drafter's best-first tree build (NgramDrafter._build).
+
+`build` is NgramDrafter._build for the context and trie sources (no external corpora): the same
+cursors, the same merge of equal tokens (first-seen order, the higher estimate wins), the same
+heap keyed by (-path probability, push sequence) and the same evidence lists, so both backends
+give identical trees. Cursors and candidates live in preallocated scratch (`Scratch`):
+  cursor columns: SRC, A (trie node | pool start), B (pool length), OFF (context offset),
+                  LEN (matched length), NEXT (next cursor of the same candidate)
+  candidate columns: SLOT (parent node), TOK, SRC, HEAD, TAIL (its cursor list)
+Context cursors keep their end positions as segments of `pool`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ngramspec.drafting.calibration import BUCKET_EDGES, MAX_CONDITIONAL
+from ngramspec.drafting.kernels import context as cx
+from ngramspec.drafting.kernels import trie as tk
+from ngramspec.drafting.index.sam import SEPARATOR
+from ngramspec.drafting.sources import CONTEXT, TRIE
+
+C_SRC, C_A, C_B, C_OFF, C_LEN, C_NEXT = range(6)
+K_SLOT, K_TOK, K_SRC, K_HEAD, K_TAIL = range(5)
+# params: budget, top-k children per cursor, anchors per source, occurrences per context match,
+# then the config's fixed sizes (scratch cursors, pool, group columns; tree nodes and evidence
+# slots of a request) and the context's longest match and whether to calibrate.
+(P_BUDGET, P_LIMIT, P_ANCHORS, P_OCC, P_CURSORS, P_POOL, P_GROUPS, P_NODES, P_EVIDENCE,
+ P_MAX_MATCH, P_CALIBRATE) = range(11)
+# counts (int64): next cursor, next candidate, heap size, pool used
+N_CUR, N_CAND, N_HEAP, N_POOL = range(4)
+# A request's int buffer starts with: where its tokens begin in its context array, and the
+# number of nodes of its last kernel-built tree still awaiting commit (0: none).
+R_TRIE_START, R_PENDING, R_HEAD = 0, 1, 2
+BUCKETS = np.asarray(BUCKET_EDGES, np.int64)
+
+
+class Scratch:
+    """Work arrays of one build, sized for the worst case of a config.
+
+    They live in one int64 and one float64 buffer because numba's dispatch costs about 0.1 µs per
+    argument, which was a tenth of a whole request-step with one argument per array.
+    """
+
+    def __init__(self, budget: int, limit: int, anchors: int, occurrences: int) -> None:
+        root = 2 * anchors + 1
+        self.cursors = root * (1 + (budget + 1) * limit) + 16
+        self.pool = anchors * occurrences * (budget + 2) + 16
+        self.groups = occurrences + 1
+        self.ints = np.zeros(12 * self.cursors + self.pool + 5 * self.groups + 4, np.int64)
+        self.floats = np.zeros(3 * self.cursors, np.float64)
+
+
+def tree_sizes(budget: int, anchors: int) -> tuple[int, int]:
+    """(nodes, evidence slots) of one tree: each node has at most one cursor per root anchor."""
+    nodes = budget + 1
+    return nodes, nodes * (2 * anchors + 1)
+
+
+def request_sizes(budget: int, anchors: int) -> tuple[int, int]:
+    """(int, float) buffer lengths of one request's tree and evidence (see `request_views`)."""
+    nodes, evidence = tree_sizes(budget, anchors)
+    return R_HEAD + 3 * nodes + 2 * evidence + nodes + 1, nodes + evidence
+
+
+@njit(cache=True)
+def request_views(r_ints, r_floats, params):
+    """out_i [3, nodes] (token, parent, source), ev_i [2, evidence] (source, matched length),
+    ev_off [nodes + 1] (node i's evidence is ev_off[i]:ev_off[i + 1]), out_p [nodes] (path
+    probabilities), ev_raw [evidence]."""
+    nodes, evidence = params[P_NODES], params[P_EVIDENCE]
+    o = R_HEAD
+    out_i = r_ints[o:o + 3 * nodes].reshape((3, nodes))
+    o += 3 * nodes
+    ev_i = r_ints[o:o + 2 * evidence].reshape((2, evidence))
+    o += 2 * evidence
+    ev_off = r_ints[o:o + nodes + 1]
+    return out_i, ev_i, ev_off, r_floats[:nodes], r_floats[nodes:nodes + evidence]
+
+
+@njit(cache=True)
+def _scratch_views(ints, floats, params):
+    cursors, pool, groups = params[P_CURSORS], params[P_POOL], params[P_GROUPS]
+    o = 0
+    cur = ints[o:o + 6 * cursors].reshape((6, cursors))
+    o += 6 * cursors
+    cand = ints[o:o + 5 * cursors].reshape((5, cursors))
+    o += 5 * cursors
+    heap = ints[o:o + cursors]
+    o += cursors
+    pool_a = ints[o:o + pool]
+    o += pool
+    groups_a = ints[o:o + 5 * groups].reshape((5, groups))
+    o += 5 * groups
+    counts = ints[o:o + 4]
+    raw = floats[:cursors]
+    cand_f = floats[cursors:3 * cursors].reshape((2, cursors))  # estimate, -path probability
+    return cur, raw, cand, cand_f, heap, pool_a, groups_a, counts
+
+
+@njit(cache=True, inline="always")
+def bucket(length: int) -> int:
+    b = 0
+    while b < BUCKETS.shape[0] and BUCKETS[b] <= length - 1:
+        b += 1
+    return b
+
+
+@njit(cache=True, inline="always")
+def _estimate(factor: np.ndarray, calibrate: bool, src: int, length: int, raw: float) -> float:
+    f = factor[src, bucket(length)] if calibrate else 1.0
+    return min(MAX_CONDITIONAL, raw * f)
+
+
+@njit(cache=True)
+def _heap_less(cand_f: np.ndarray, a: int, b: int) -> bool:
+    pa, pb = cand_f[1, a], cand_f[1, b]
+    return pa < pb or (pa == pb and a < b)
+
+
+@njit(cache=True)
+def _heap_push(heap: np.ndarray, counts: np.ndarray, cand_f: np.ndarray, c: int) -> None:
+    i = counts[N_HEAP]
+    counts[N_HEAP] = i + 1
+    while i > 0:
+        parent = (i - 1) >> 1
+        if not _heap_less(cand_f, c, heap[parent]):
+            break
+        heap[i] = heap[parent]
+        i = parent
+    heap[i] = c
+
+
+@njit(cache=True)
+def _heap_pop(heap: np.ndarray, counts: np.ndarray, cand_f: np.ndarray) -> int:
+    top = heap[0]
+    size = counts[N_HEAP] - 1
+    counts[N_HEAP] = size
+    last = heap[size]
+    i = 0
+    while True:
+        child = 2 * i + 1
+        if child >= size:
+            break
+        if child + 1 < size and _heap_less(cand_f, heap[child + 1], heap[child]):
+            child += 1
+        if not _heap_less(cand_f, heap[child], last):
+            break
+        heap[i] = heap[child]
+        i = child
+    if size > 0:
+        heap[i] = last
+    return top
+
+
+@njit(cache=True)
+def _new_cursor(cur: np.ndarray, counts: np.ndarray, src: int, a: int, b: int, off: int,
+                length: int) -> int:
+    c = counts[N_CUR]
+    counts[N_CUR] = c + 1
+    cur[C_SRC, c], cur[C_A, c], cur[C_B, c] = src, a, b
+    cur[C_OFF, c], cur[C_LEN, c], cur[C_NEXT, c] = off, length, -1
+    return c
+
+
+@njit(cache=True)
+def _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot, token, src, est, kid,
+           raw) -> None:
+    """Merge a continuation into this expansion's candidates (NgramDrafter._push_children)."""
+    s_raw[kid] = raw
+    for k in range(first_cand, counts[N_CAND]):
+        if s_cand[K_TOK, k] == token:
+            if est > s_cand_f[0, k]:
+                s_cand_f[0, k], s_cand[K_SRC, k] = est, src
+            s_cur[C_NEXT, s_cand[K_TAIL, k]] = kid
+            s_cand[K_TAIL, k] = kid
+            return
+    k = counts[N_CAND]
+    counts[N_CAND] = k + 1
+    s_cand[K_SLOT, k], s_cand[K_TOK, k], s_cand[K_SRC, k] = slot, token, src
+    s_cand[K_HEAD, k], s_cand[K_TAIL, k] = kid, kid
+    s_cand_f[0, k] = est
+
+
+@njit(cache=True)
+def _context_groups(tok, n_tok, pool, start, num, off, groups) -> int:
+    """Group the ends by the token `off + 1` after them; stable-sort groups by size desc."""
+    g = 0
+    for i in range(num):
+        at = pool[start + i] + off + 1
+        if at >= n_tok or tok[at] == SEPARATOR:
+            groups[3, i] = -1
+            continue
+        t = tok[at]
+        j = 0
+        while j < g and groups[0, j] != t:
+            j += 1
+        if j == g:
+            groups[0, g], groups[1, g], groups[2, g] = t, 0, g
+            g += 1
+        groups[1, j] += 1
+        groups[3, i] = j
+    for i in range(1, g):  # insertion sort: stable
+        t, size, first = groups[0, i], groups[1, i], groups[2, i]
+        j = i - 1
+        while j >= 0 and groups[1, j] < size:
+            groups[0, j + 1], groups[1, j + 1], groups[2, j + 1] = (
+                groups[0, j], groups[1, j], groups[2, j])
+            j -= 1
+        groups[0, j + 1], groups[1, j + 1], groups[2, j + 1] = t, size, first
+    return g
+
+
+@njit(cache=True)
+def _split_ends(pool, start, num, groups, g, take, counts) -> None:
+    """Copy the ends of the `take` largest groups to the pool, group after group (one pass)."""
+    for j in range(g):
+        groups[4, j] = -1
+    at = counts[N_POOL]
+    for j in range(take):
+        groups[4, groups[2, j]] = at
+        at += groups[1, j]
+    for i in range(num):
+        gid = groups[3, i]
+        if gid >= 0 and groups[4, gid] >= 0:
+            pool[groups[4, gid]] = pool[start + i]
+            groups[4, gid] += 1
+
+
+@njit(cache=True)
+def _push_children(cols, tok, n_tok, factor, calibrate, params, s_cur, s_raw, s_cand, s_cand_f,
+                   heap, pool, groups, counts, slot, prob, head) -> None:
+    limit = params[P_LIMIT]
+    first_cand = counts[N_CAND]
+    c = head
+    while c != -1:
+        src, length = s_cur[C_SRC, c], s_cur[C_LEN, c]
+        if src == TRIE:
+            node = s_cur[C_A, c]
+            total = cols[node, tk.CNT]
+            child = cols[node, tk.FIRST]
+            taken = 0
+            while child != -1 and taken < limit:
+                raw = cols[child, tk.CNT] / (total + 1)
+                est = _estimate(factor, calibrate, src, length, raw)
+                kid = _new_cursor(s_cur, counts, src, child, 0, 0, length + 1)
+                _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot,
+                       cols[child, tk.TOK], src, est, kid, raw)
+                child = cols[child, tk.NEXT]
+                taken += 1
+        else:
+            start, num, off = s_cur[C_A, c], s_cur[C_B, c], s_cur[C_OFF, c]
+            g = _context_groups(tok, n_tok, pool, start, num, off, groups)
+            take = min(g, limit)
+            _split_ends(pool, start, num, groups, g, take, counts)
+            for j in range(take):
+                t, size = groups[0, j], groups[1, j]
+                at = counts[N_POOL]
+                counts[N_POOL] += size
+                raw = size / (num + 1)
+                est = _estimate(factor, calibrate, src, length, raw)
+                kid = _new_cursor(s_cur, counts, src, at, size, off + 1, length + 1)
+                _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot, t, src, est,
+                       kid, raw)
+        c = s_cur[C_NEXT, c]
+    for k in range(first_cand, counts[N_CAND]):
+        s_cand_f[1, k] = -prob * s_cand_f[0, k]
+        _heap_push(heap, counts, s_cand_f, k)
+
+
+@njit(cache=True)
+def _root_cursors(cols, edges, tmeta, tstate, trie_start, tok, prev, cst, max_match, params,
+                  s_cur, pool, counts) -> int:
+    """Context anchors, then distinct-count trie anchors (NgramDrafter._root_cursors)."""
+    k_max = params[P_ANCHORS]
+    m = np.empty(k_max, np.int64)
+    starts = np.empty(k_max, np.int64)
+    nums = np.empty(k_max, np.int64)
+    found, used = cx.anchors(prev, cst, max_match, k_max, params[P_OCC], m, starts, nums, pool,
+                             0)
+    counts[N_POOL] = used
+    head, tail = -1, -1
+    for i in range(found):
+        c = _new_cursor(s_cur, counts, CONTEXT, starts[i], nums[i], 0, m[i])
+        if tail == -1:
+            head = c
+        else:
+            s_cur[C_NEXT, tail] = c
+        tail = c
+    n = cst[cx.NUM]
+    tk.refresh(cols, edges, tmeta, tstate, tok[trie_start:], n - trie_start)
+    depth = tmeta[tk.DEPTH]
+    last_count, num_trie = -1, 0
+    for k in range(tstate[0] - 1, -1, -1):
+        node = tstate[1 + k]
+        if node < 0 or cols[node, tk.FIRST] == -1:
+            continue
+        count = cols[node, tk.CNT]
+        if count != last_count and num_trie < k_max:
+            # A shorter suffix with an equal count has the same occurrences: skip it.
+            c = _new_cursor(s_cur, counts, TRIE, node, 0, 0, k + 1)
+            if tail == -1:
+                head = c
+            else:
+                s_cur[C_NEXT, tail] = c
+            tail = c
+            last_count, num_trie = count, num_trie + 1
+    return head
+
+
+@njit(cache=True)
+def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, min_path_prob, s_ints,
+          s_floats, r_ints, r_floats, stats) -> int:
+    """Fill the request's tree and evidence (`request_views`); returns the node count, which is
+    also left in r_ints[R_PENDING] for the commit that follows."""
+    s_cur, s_raw, s_cand, s_cand_f, heap, pool, groups, counts = _scratch_views(
+        s_ints, s_floats, params)
+    out_i, ev_i, ev_off, out_p, ev_raw = request_views(r_ints, r_floats, params)
+    factor = cal[3]  # calibration factors [source, bucket]
+    trie_start, max_match = r_ints[R_TRIE_START], params[P_MAX_MATCH]
+    calibrate = params[P_CALIBRATE] != 0
+    n_tok = cst[cx.NUM]
+    counts[:] = 0
+    out_i[0, 0], out_i[1, 0], out_i[2, 0], out_p[0] = tok[n_tok - 1], -1, -1, 1.0
+    ev_off[0], ev_off[1] = 0, 0
+    budget = params[P_BUDGET]
+    r_ints[R_PENDING] = 1
+    if budget <= 0:
+        return 1
+    head = _root_cursors(cols, edges, tmeta, tstate, trie_start, tok, prev, cst, max_match,
+                         params, s_cur, pool, counts)
+    _push_children(cols, tok, n_tok, factor, calibrate, params, s_cur, s_raw, s_cand, s_cand_f,
+                   heap, pool, groups, counts, 0, 1.0, head)
+    n, e = 1, 0
+    while counts[N_HEAP] > 0 and n <= budget:
+        k = _heap_pop(heap, counts, s_cand_f)
+        prob = -s_cand_f[1, k]
+        if prob < min_path_prob:
+            break
+        src = s_cand[K_SRC, k]
+        out_i[0, n], out_i[1, n], out_i[2, n] = s_cand[K_TOK, k], s_cand[K_SLOT, k], src
+        out_p[n] = prob
+        c = s_cand[K_HEAD, k]
+        while c != -1:
+            ev_i[0, e], ev_i[1, e], ev_raw[e] = s_cur[C_SRC, c], s_cur[C_LEN, c] - 1, s_raw[c]
+            e += 1
+            c = s_cur[C_NEXT, c]
+        stats[src] += 1
+        n += 1
+        ev_off[n] = e
+        if n <= budget:  # children of the last node could never be placed
+            _push_children(cols, tok, n_tok, factor, calibrate, params, s_cur, s_raw, s_cand,
+                           s_cand_f, heap, pool, groups, counts, n - 1, prob, s_cand[K_HEAD, k])
+    r_ints[R_PENDING] = n
+    return n

@@ -1,0 +1,59 @@
+"""numba kernels of FastNgramDrafter.commit: calibration update, then indexing and counting."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ngramspec.drafting.kernels import context as cx
+from ngramspec.drafting.kernels import trie as tk
+from ngramspec.drafting.kernels.build import R_PENDING, bucket, request_views
+from ngramspec.drafting.sources import NUM_SOURCES
+
+
+@njit(cache=True)
+def learn(out_i, n, ev_i, ev_raw, ev_off, accepted_tokens, cal, calibrate_prior, stats) -> None:
+    """NgramDrafter._learn: calibrate on every node the verifier judged (parent accepted).
+
+    cal (float64 [4, NUM_SOURCES, buckets]): raw sums, acceptances, trials, factors;
+    calibrate_prior: (prior mass, prior weight).
+    """
+    accepted = np.zeros(n, np.bool_)
+    accepted[0] = True
+    node = 0
+    for t in accepted_tokens:
+        nxt = -1
+        for i in range(node + 1, n):
+            if out_i[1, i] == node and out_i[0, i] == t:
+                nxt = i
+                break
+        if nxt < 0:
+            break
+        accepted[nxt] = True
+        node = nxt
+    for i in range(1, n):
+        if not accepted[out_i[1, i]]:
+            continue  # never judged by the verifier: no information
+        ok = accepted[i]
+        if ok:
+            stats[NUM_SOURCES + out_i[2, i]] += 1
+        for e in range(ev_off[i], ev_off[i + 1]):
+            s, b = ev_i[0, e], bucket(ev_i[1, e])
+            cal[0, s, b] += ev_raw[e]
+            cal[1, s, b] += 1.0 if ok else 0.0
+            cal[2, s, b] += 1
+            cal[3, s, b] = (cal[1, s, b] + calibrate_prior[0]) / (cal[0, s, b] + calibrate_prior[1])
+
+
+@njit(cache=True)
+def commit(r_ints, r_floats, params, new, cal, prior, stats, tok, prev, hashes, keys, lens, vals,
+           st, cols, edges, runs, meta, tstate) -> int:
+    """FastNgramDrafter.commit in one call: learn, index the tokens, count their n-grams."""
+    pending = r_ints[R_PENDING]
+    if pending:
+        out_i, ev_i, ev_off, _, ev_raw = request_views(r_ints, r_floats, params)
+        learn(out_i, pending, ev_i, ev_raw, ev_off, new, cal, prior, stats)
+        r_ints[R_PENDING] = 0
+    start = st[cx.NUM]
+    cx.append(tok, prev, hashes, keys, lens, vals, st, new)
+    return tk.extend(cols, edges, runs, meta, tstate, tok, start, st[cx.NUM])

@@ -1,0 +1,371 @@
+"""numba kernels of the fast global trie (see fast/trie.py for the layout and the semantics).
+
+Node records (`cols`, int32 [allocated, NUM_COLS]; one 36-byte row per node, so a node is one
+cache line):
+  TOK, PAR, CNT         token, parent, occurrence count
+  FIRST, NEXT, PREV     children as a linked list sorted by count desc; PREV of the first child
+                        is the last child (O(1) append), NEXT of the last is -1
+  LPREV, LNEXT          the leaf LRU list (front = least recently touched)
+  VER                   bumped when the id is evicted, so request anchors can tell staleness
+Two id-only hash tables (fast/hashtab.py): `edges` keyed (PAR, TOK) holding every node that has
+a sibling (an only child is found through its parent's FIRST, so chains, most of a deep trie,
+cost no hashing), and `runs` keyed (PAR, CNT),
+the latter holding the first child of each run of two or more equal-count siblings. The run head
+is what `NgramTrie._bubble_up` finds by bisection: an incremented child swaps with it (same
+tie-breaking).
+`meta` (int64): NUM, LRU_HEAD, LRU_TAIL, EVICTED, CAPACITY, DEPTH.
+A request state (int32 [1 + 2 * depth]): count, anchors[depth], versions[depth].
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ngramspec.drafting.kernels import hashtab as ht
+
+TOK, PAR, CNT, FIRST, NEXT, PREV, LPREV, LNEXT, VER = range(9)
+NUM_COLS = 9
+NUM, LRU_HEAD, LRU_TAIL, EVICTED, CAPACITY, DEPTH = range(6)
+SEPARATOR = -(2**31)
+ROOT = 0
+
+
+# ---------------------------------------------------------------- sibling list
+
+
+@njit(cache=True)
+def _unlink(cols: np.ndarray, x: int) -> None:
+    p, nx, pv = cols[x, PAR], cols[x, NEXT], cols[x, PREV]
+    first = cols[p, FIRST]
+    if first == x:
+        cols[p, FIRST] = nx
+        if nx != -1:
+            cols[nx, PREV] = pv  # pv is the last child
+    else:
+        cols[pv, NEXT] = nx
+        if nx == -1:
+            cols[first, PREV] = pv
+        else:
+            cols[nx, PREV] = pv
+
+
+@njit(cache=True)
+def _insert_after(cols: np.ndarray, x: int, y: int) -> None:
+    nx = cols[y, NEXT]
+    cols[y, NEXT], cols[x, PREV], cols[x, NEXT] = x, y, nx
+    if nx == -1:
+        cols[cols[cols[y, PAR], FIRST], PREV] = x
+    else:
+        cols[nx, PREV] = x
+
+
+@njit(cache=True)
+def _insert_before(cols: np.ndarray, x: int, y: int) -> None:
+    p = cols[y, PAR]
+    if cols[p, FIRST] == y:
+        cols[x, PREV], cols[x, NEXT] = cols[y, PREV], y
+        cols[y, PREV], cols[p, FIRST] = x, x
+    else:
+        _insert_after(cols, x, cols[y, PREV])
+
+
+@njit(cache=True)
+def _append_child(cols: np.ndarray, p: int, x: int) -> None:
+    first = cols[p, FIRST]
+    cols[x, NEXT] = -1
+    if first == -1:
+        cols[p, FIRST], cols[x, PREV] = x, x
+    else:
+        last = cols[first, PREV]
+        cols[last, NEXT], cols[x, PREV], cols[first, PREV] = x, last, x
+
+
+@njit(cache=True)
+def _swap(cols: np.ndarray, a: int, b: int) -> None:
+    """Exchange the list positions of siblings a (earlier) and b (later)."""
+    if cols[a, NEXT] == b:
+        _unlink(cols, a)
+        _insert_after(cols, a, b)
+        return
+    after_a, before_b = cols[a, NEXT], cols[b, PREV]
+    _unlink(cols, b)
+    _insert_before(cols, b, after_a)
+    _unlink(cols, a)
+    _insert_after(cols, a, before_b)
+
+
+# ---------------------------------------------------------------- leaf LRU
+
+
+@njit(cache=True)
+def _lru_remove(cols: np.ndarray, meta: np.ndarray, n: int) -> None:
+    p, x = cols[n, LPREV], cols[n, LNEXT]
+    if p != -1:
+        cols[p, LNEXT] = x
+    else:
+        meta[LRU_HEAD] = x
+    if x != -1:
+        cols[x, LPREV] = p
+    else:
+        meta[LRU_TAIL] = p
+
+
+@njit(cache=True)
+def _lru_append(cols: np.ndarray, meta: np.ndarray, n: int) -> None:
+    tail = meta[LRU_TAIL]
+    cols[n, LPREV], cols[n, LNEXT] = tail, -1
+    if tail != -1:
+        cols[tail, LNEXT] = n
+    else:
+        meta[LRU_HEAD] = n
+    meta[LRU_TAIL] = n
+
+
+@njit(cache=True)
+def _lru_push_front(cols: np.ndarray, meta: np.ndarray, n: int) -> None:
+    head = meta[LRU_HEAD]
+    cols[n, LPREV], cols[n, LNEXT] = -1, head
+    if head != -1:
+        cols[head, LPREV] = n
+    else:
+        meta[LRU_TAIL] = n
+    meta[LRU_HEAD] = n
+
+
+# ---------------------------------------------------------------- counting
+
+
+@njit(cache=True)
+def _same_before(cols: np.ndarray, n: int, c: int) -> bool:
+    """n has a previous sibling of count c."""
+    return cols[cols[n, PAR], FIRST] != n and cols[cols[n, PREV], CNT] == c
+
+
+@njit(cache=True)
+def _same_after(cols: np.ndarray, n: int, c: int) -> bool:
+    """n has a next sibling of count c."""
+    return cols[n, NEXT] != -1 and cols[cols[n, NEXT], CNT] == c
+
+
+@njit(cache=True)
+def _increment(cols: np.ndarray, runs: np.ndarray, child: int) -> None:
+    """count += 1, then swap with the head of the old count's run (NgramTrie._bubble_up).
+
+    `runs` holds the heads of runs of two or more equal-count siblings only, so the common
+    case (a child alone with its count, e.g. on a chain) needs no hashing at all.
+    """
+    p, c = cols[child, PAR], cols[child, CNT] + 1
+    if _same_before(cols, child, c - 1):  # not the head: the run has >= 2 members
+        head = ht.find(runs, cols, PAR, CNT, p, c - 1)
+        _swap(cols, head, child)
+    else:
+        head = child
+    if _same_after(cols, child, c - 1):  # the old run had >= 2 members: it keeps the rest
+        nx = cols[child, NEXT]
+        if _same_after(cols, nx, c - 1):
+            ht.replace(runs, cols, PAR, CNT, head, nx)
+        else:
+            ht.remove(runs, cols, PAR, CNT, head)  # one member left: no entry
+    cols[child, CNT] = c
+    if _same_before(cols, child, c):
+        before = cols[child, PREV]
+        if not _same_before(cols, before, c):  # that run had one member, now two
+            ht.insert(runs, before, ht.pair_key(p, c))
+
+
+@njit(cache=True)
+def _leave_run(cols: np.ndarray, runs: np.ndarray, v: int) -> None:
+    """Update `runs` for v leaving its sibling list (its columns still intact)."""
+    c = cols[v, CNT]
+    before, after = _same_before(cols, v, c), _same_after(cols, v, c)
+    if after and not before:  # v heads a run of >= 2
+        nx = cols[v, NEXT]
+        if _same_after(cols, nx, c):
+            ht.replace(runs, cols, PAR, CNT, v, nx)
+        else:
+            ht.remove(runs, cols, PAR, CNT, v)
+    elif before and not after:  # v ends a run of >= 2
+        pv = cols[v, PREV]
+        if not _same_before(cols, pv, c):
+            ht.remove(runs, cols, PAR, CNT, pv)
+
+
+@njit(cache=True)
+def _pinned(n: int, parent: int, old: np.ndarray, num_old: int, new: np.ndarray,
+            num_new: int) -> bool:
+    if n == parent:
+        return True
+    for i in range(num_old):
+        if old[i] == n:
+            return True
+    for i in range(num_new):
+        if new[i] == n:
+            return True
+    return False
+
+
+@njit(cache=True)
+def _evict(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, meta: np.ndarray,
+           v: int) -> None:
+    _lru_remove(cols, meta, v)
+    p = cols[v, PAR]
+    _leave_run(cols, runs, v)
+    if cols[p, FIRST] != v or cols[v, NEXT] != -1:  # v has a sibling, so an entry
+        ht.remove(edges, cols, PAR, TOK, v)
+    _unlink(cols, v)
+    only = cols[p, FIRST]
+    if only != -1 and cols[only, NEXT] == -1:  # an only child again: no entry
+        ht.remove(edges, cols, PAR, TOK, only)
+    if cols[p, FIRST] == -1 and p != ROOT:
+        # Its whole subtree went cold, so it is the next eviction candidate.
+        _lru_push_front(cols, meta, p)
+    cols[v, VER] += 1
+    meta[EVICTED] += 1
+
+
+@njit(cache=True)
+def _allocate(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, meta: np.ndarray,
+              parent: int, old: np.ndarray, num_old: int, new: np.ndarray, num_new: int) -> int:
+    num = meta[NUM]
+    if num < cols.shape[0]:
+        meta[NUM] = num + 1
+        cols[num, VER] = 1
+        return num
+    if num < meta[CAPACITY]:
+        return -2  # the caller did not grow the columns first (a bug)
+    v = meta[LRU_HEAD]
+    while v != -1 and _pinned(v, parent, old, num_old, new, num_new):
+        v = cols[v, LNEXT]
+    if v == -1:
+        return -1
+    _evict(cols, edges, runs, meta, v)
+    return v
+
+
+@njit(cache=True)
+def _count_child(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, meta: np.ndarray,
+                 parent: int, token: int, old: np.ndarray, num_old: int, new: np.ndarray,
+                 num_new: int) -> int:
+    child = child_of(cols, edges, parent, token)
+    if child >= 0:
+        _increment(cols, runs, child)
+        if cols[child, FIRST] == -1 and meta[LRU_TAIL] != child:
+            _lru_remove(cols, meta, child)
+            _lru_append(cols, meta, child)
+        return child
+    node = _allocate(cols, edges, runs, meta, parent, old, num_old, new, num_new)
+    if node < 0:
+        return node
+    cols[node, TOK], cols[node, PAR], cols[node, CNT], cols[node, FIRST] = token, parent, 1, -1
+    first = cols[parent, FIRST]
+    if first == -1:
+        if parent != ROOT:
+            _lru_remove(cols, meta, parent)  # no longer a leaf
+    else:
+        last = cols[first, PREV]
+        if cols[last, CNT] == 1 and not _same_before(cols, last, 1):
+            ht.insert(runs, last, ht.pair_key(parent, 1))  # a run of one becomes two
+        if cols[first, NEXT] == -1:  # the only child gets a sibling: now it needs an entry
+            ht.insert(edges, first, ht.pair_key(parent, cols[first, TOK]))
+        ht.insert(edges, node, ht.pair_key(parent, token))
+    _append_child(cols, parent, node)
+    _lru_append(cols, meta, node)
+    return node
+
+
+# ---------------------------------------------------------------- request anchors
+
+
+@njit(cache=True)
+def child_of(cols: np.ndarray, edges: np.ndarray, parent: int, token: int) -> int:
+    first = cols[parent, FIRST]  # the most frequent child: checked before any hashing
+    if first == -1:
+        return -1
+    if cols[first, TOK] == token:
+        return first
+    if cols[first, NEXT] == -1:
+        return -1
+    return ht.find(edges, cols, PAR, TOK, parent, token)
+
+
+@njit(cache=True)
+def lookup(cols: np.ndarray, edges: np.ndarray, ctx: np.ndarray, lo: int, hi: int) -> int:
+    node = ROOT
+    for i in range(lo, hi):
+        node = child_of(cols, edges, node, ctx[i])
+        if node < 0:
+            return -1
+    return node
+
+
+@njit(cache=True)
+def run_length(ctx: np.ndarray, n: int, cap: int) -> int:
+    """Tokens after the last separator in ctx[:n], at most `cap`."""
+    lo = max(-1, n - 1 - cap)
+    for i in range(n - 1, lo, -1):
+        if ctx[i] == SEPARATOR:
+            return n - 1 - i
+    return min(cap, n)
+
+
+@njit(cache=True)
+def refresh(cols: np.ndarray, edges: np.ndarray, meta: np.ndarray, state: np.ndarray,
+            ctx: np.ndarray, n: int) -> None:
+    """Re-probe the stale or missing suffix anchors of ctx[:n] (NgramTrie._refresh)."""
+    depth = meta[DEPTH]
+    limit = run_length(ctx, n, depth)
+    if state[0] > limit:
+        state[0] = limit
+    for k in range(limit):
+        if k < state[0]:
+            a = state[1 + k]
+            if a >= 0 and cols[a, VER] == state[1 + depth + k]:
+                continue
+        else:
+            state[0] = k + 1
+        a = lookup(cols, edges, ctx, n - k - 1, n)
+        state[1 + k] = a
+        state[1 + depth + k] = cols[a, VER] if a >= 0 else 0
+
+
+@njit(cache=True)
+def extend(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, meta: np.ndarray,
+           state: np.ndarray, ctx: np.ndarray, start: int, end: int) -> int:
+    """Count the n-grams ending at ctx[start:end] (NgramTrie._advance per token); 0 or -2."""
+    depth = meta[DEPTH]
+    old = np.empty(depth, np.int32)
+    new = np.empty(depth, np.int32)
+    for pos in range(start, end):
+        token = ctx[pos]
+        if token == SEPARATOR:  # n-grams never span documents
+            state[0] = 0
+            continue
+        num_old = state[0]
+        for i in range(num_old):
+            old[i] = state[1 + i]
+        num_new = 0
+        for k in range(min(depth, pos + 1)):
+            if k == 0:
+                parent = ROOT
+            elif k <= num_old and old[k - 1] >= 0 and cols[old[k - 1], VER] == state[depth + k]:
+                parent = old[k - 1]
+            else:  # evicted or never stored: re-probe the k tokens before `token`
+                if ctx[pos - k] == SEPARATOR:
+                    break
+                parent = lookup(cols, edges, ctx, pos - k, pos)
+                if parent < 0:
+                    break
+            child = _count_child(cols, edges, runs, meta, parent, token, old, num_old, new,
+                                 num_new)
+            if child == -2:
+                return -2
+            if child < 0:
+                break
+            new[num_new] = child
+            num_new += 1
+        state[0] = num_new
+        for i in range(num_new):
+            state[1 + i] = new[i]
+            state[1 + depth + i] = cols[new[i], VER]
+    return 0

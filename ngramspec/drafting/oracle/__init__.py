@@ -1,0 +1,1 @@
+"""Pure-Python reference drafter (the oracle the compiled one is tested against)."""

@@ -1,1 +1,0 @@
-"""Model-free n-gram drafting. Pure Python (plus optional numba); no torch except in verify.py."""

@@ -1,0 +1,220 @@
+"""NgramDrafter behaviour: prompt copy, corpora, separators, calibration, config, lifecycle."""
+
+from __future__ import annotations
+
+import pytest
+
+from ngramspec.drafting.config import DrafterConfig, make_drafter
+from ngramspec.drafting.oracle.drafter import NgramDrafter
+from ngramspec.drafting.drafter import FastNgramDrafter
+from ngramspec.drafting.index.sam import SuffixAutomaton
+from ngramspec.drafting.sources import CONTEXT, CORPUS, TRIE
+
+
+# Behaviour tests run on both backends (pure-Python reference and numba).
+backends = pytest.mark.parametrize("backend", ["python", "numba"])
+
+
+def new_drafter(backend: str, corpora: object = None, **overrides: object) -> NgramDrafter:
+    drafter = make_drafter(DrafterConfig(backend=backend, **overrides), corpora)  # type: ignore
+    assert isinstance(drafter, FastNgramDrafter) == (backend == "numba")
+    return drafter  # type: ignore[return-value]
+
+
+class StubCorpora:
+    def __init__(self, docs_by_name: dict[str, list[list[int]]]) -> None:
+        self.sams = {}
+        for name, docs in docs_by_name.items():
+            sam = SuffixAutomaton()
+            for doc in docs:
+                sam.add_document(doc)
+            sam.finalize()
+            self.sams[name] = sam
+
+    def snapshot(self) -> dict[str, SuffixAutomaton]:
+        return dict(self.sams)
+
+
+def best_path(tree) -> list[int]:
+    """Tokens along the first-child chain from the root (the most probable path)."""
+    out, node = [], 0
+    while True:
+        kids = [i for i in range(1, len(tree)) if tree.parents[i] == node]
+        if not kids:
+            return out
+        node = kids[0]
+        out.append(tree.token_ids[node])
+
+
+@backends
+def test_copies_from_the_prompt_on_step_one(backend: str):
+    # Prompt holds "a b c d e"; it ends with "a b" -> the first draft continues "c d e".
+    a, b, c, d, e = 10, 11, 12, 13, 14
+    drafter = new_drafter(backend)
+    drafter.start("r", [a, b, c, d, e, 99, 98, a, b])
+    (tree,) = drafter.propose(["r"], [11])
+    assert tree.token_ids[0] == b
+    assert best_path(tree)[:3] == [c, d, e]
+    assert tree.sources[1] == CONTEXT
+
+
+@backends
+def test_copies_from_a_reference_document(backend: str):
+    drafter = new_drafter(backend)
+    drafter.start("r", [7, 1, 2], references=[[5, 1, 2, 3, 4]])
+    (tree,) = drafter.propose(["r"], [5])
+    assert best_path(tree)[:2] == [3, 4]
+
+
+@backends
+def test_learns_across_requests_through_the_trie(backend: str):
+    drafter = new_drafter(backend)
+    drafter.start("a", [1, 2, 3, 4, 5, 6])
+    drafter.stop("a")
+    drafter.start("b", [9, 3, 4])
+    (tree,) = drafter.propose(["b"], [3])
+    assert best_path(tree) == [5, 6]
+    assert tree.sources[1] == TRIE
+
+
+@backends
+def test_external_corpus_drafts_and_never_crosses_a_separator(backend: str):
+    corpora = StubCorpora({"docs": [[1, 2, 3], [4, 5, 6]]})
+    drafter = new_drafter(backend, corpora)
+    drafter.start("r", [8, 1, 2])
+    (tree,) = drafter.propose(["r"], [11])
+    assert best_path(tree) == [3]  # "1 2 3" then the document ends: no "4 5 6"
+    assert tree.sources[1] == CORPUS
+    drafter.start("s", [9, 5])
+    (tree,) = drafter.propose(["s"], [11])
+    assert best_path(tree) == [6]
+
+
+@backends
+def test_corpus_added_later_is_used_and_match_is_incremental(backend: str):
+    corpora = StubCorpora({})
+    drafter = new_drafter(backend, corpora)
+    drafter.start("r", [8, 1])
+    (tree,) = drafter.propose(["r"], [4])
+    assert len(tree) == 1
+    corpora.sams = StubCorpora({"x": [[1, 2, 3, 4, 5]]}).sams
+    (tree,) = drafter.propose(["r"], [4])
+    assert best_path(tree) == [2, 3, 4, 5]
+    drafter.commit("r", [2, 3])
+    (tree,) = drafter.propose(["r"], [4])
+    assert best_path(tree) == [4, 5]
+
+
+@backends
+def test_budget_caps_the_tree_and_zero_budget_gives_the_root(backend: str):
+    drafter = new_drafter(backend, draft_token_num=4)
+    drafter.start("r", [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2])
+    (small, capped, none) = drafter.propose(["r", "r", "r"], [2, 50, 0])
+    assert small.num_drafts == 2
+    assert capped.num_drafts == 3  # draft_token_num - 1
+    assert none.num_drafts == 0 and none.token_ids == [2]
+
+
+@backends
+def test_calibration_raises_estimates_when_drafts_are_accepted(backend: str):
+    drafter = new_drafter(backend)
+    period = [3, 1, 4, 1, 5, 9, 2, 6]
+    drafter.start("r", period * 2)
+    (first,) = drafter.propose(["r"], [11])
+    stream = period * 80
+    pos = 0
+    for _ in range(40):
+        (tree,) = drafter.propose(["r"], [11])
+        accepted = [tree.token_ids[i] for i in tree.accepted_nodes(stream[pos : pos + 12])]
+        step = accepted + [stream[pos + len(accepted)]]  # drafts + the bonus token
+        drafter.commit("r", step)
+        pos += len(step)
+    (last,) = drafter.propose(["r"], [11])
+    assert last.probs[1] > first.probs[1]
+    stats = drafter.stats()
+    assert stats["sources"]["context"]["accepted"] > 0
+    assert sum(stats["calibration"]["context"]["trials"]) > 0
+
+
+@backends
+def test_deterministic(backend: str):
+    def run() -> list:
+        drafter = new_drafter(backend, StubCorpora({"c": [[1, 2, 3, 1, 2, 4]]}))
+        drafter.start("a", [1, 2, 3, 1, 2, 4, 1, 2])
+        drafter.start("b", [2, 1, 2])
+        out = []
+        for step in range(5):
+            trees = drafter.propose(["a", "b"], [11, 6])
+            out.append([(t.token_ids, t.parents, t.probs, t.sources) for t in trees])
+            drafter.commit("a", [step % 3 + 1])
+            drafter.commit("b", [2, step % 4])
+        return out
+
+    assert run() == run()
+
+
+@backends
+def test_reset_clears_learning_but_keeps_corpora(backend: str):
+    corpora = StubCorpora({"c": [[1, 2, 3]]})
+    drafter = new_drafter(backend, corpora)
+    drafter.start("a", [4, 5, 6, 4, 5])
+    drafter.reset()
+    assert drafter.trie.num_nodes == 1
+    with pytest.raises(KeyError):
+        drafter.propose(["a"], [3])
+    drafter.start("b", [1, 2])
+    (tree,) = drafter.propose(["b"], [3])
+    assert best_path(tree) == [3]
+
+
+@backends
+def test_lifecycle_errors(backend: str):
+    drafter = new_drafter(backend)
+    drafter.start("a", [1])
+    with pytest.raises(ValueError):
+        drafter.start("a", [1])
+    with pytest.raises(ValueError):
+        drafter.start("b", [])
+    with pytest.raises(ValueError):
+        drafter.propose(["a"], [])
+    drafter.stop("a")
+    drafter.stop("a")  # idempotent
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"preset": "vllm"}, "preset"),
+        ({"match_type": "DFS"}, "match_type"),
+        ({"draft_token_num": 0}, "draft_token_num"),
+        ({"max_trie_depth": 1}, "max_trie_depth"),
+        ({"min_bfs_breadth": 0}, "min_bfs_breadth"),
+        ({"min_bfs_breadth": 5, "max_bfs_breadth": 4}, "max_bfs_breadth"),
+        ({"capacity": 18, "max_trie_depth": 18}, "capacity"),  # == max_trie_depth: SGLang #36495 crash
+        ({"external_sam_budget": 12}, "external_sam_budget"),
+        ({"external_corpus_max_tokens": 0}, "external_corpus_max_tokens"),
+        ({"max_context_match": 0}, "max_context_match"),
+        ({"min_path_prob": 1.0}, "min_path_prob"),
+        ({"backend": "cuda"}, "backend"),
+    ],
+)
+def test_config_validation_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"DrafterConfig\.{field} "):
+        DrafterConfig(**kwargs)
+
+
+def test_sglang_defaults_and_make_drafter():
+    cfg = DrafterConfig.sglang()
+    assert (cfg.preset, cfg.draft_token_num, cfg.max_trie_depth) == ("sglang", 12, 18)
+    assert (cfg.min_bfs_breadth, cfg.max_bfs_breadth, cfg.match_type) == (1, 10, "BFS")
+    assert (cfg.capacity, cfg.external_sam_budget) == (10_000_000, 0)
+    assert cfg.num_draft_tokens == 11
+    assert DrafterConfig.sglang(match_type="PROB").match_type == "PROB"
+    with pytest.raises(ValueError):
+        DrafterConfig.sglang(capacity=3)
+    with pytest.raises(ValueError):
+        DrafterConfig.sglang(nonsense=1)
+    assert isinstance(make_drafter(DrafterConfig()), NgramDrafter)
+    # The default (auto) backend is the compiled one whenever numba is importable.
+    assert isinstance(make_drafter(DrafterConfig()), FastNgramDrafter)
+    assert type(make_drafter(DrafterConfig(backend="python"))) is NgramDrafter

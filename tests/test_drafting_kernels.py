@@ -1,0 +1,217 @@
+"""The numba backend (spec/fast/) against the pure-Python reference: identical results."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ngramspec.drafting.config import DEFAULT_CAPACITY, DrafterConfig, make_drafter
+from ngramspec.drafting.oracle.context import ContextIndex
+from ngramspec.drafting.oracle.drafter import NgramDrafter
+from ngramspec.drafting.kernels.context import FastContextIndex
+from ngramspec.drafting.drafter import FastNgramDrafter
+from ngramspec.drafting.index.trie import FastTrie
+from ngramspec.drafting.index.sam import SuffixAutomaton
+from ngramspec.drafting.tree import DraftTree
+from ngramspec.drafting.oracle.trie import NgramTrie
+
+small_tokens = st.lists(st.integers(0, 5), min_size=1, max_size=20)
+
+
+def same_arrays(a: NgramTrie | FastTrie, b: NgramTrie | FastTrie) -> None:
+    meta_a, arrays_a = a.to_arrays()
+    meta_b, arrays_b = b.to_arrays()
+    assert meta_a == meta_b
+    assert arrays_a.keys() == arrays_b.keys()
+    for name in arrays_a:
+        assert arrays_a[name].dtype == arrays_b[name].dtype
+        assert arrays_a[name].tolist() == arrays_b[name].tolist(), name
+
+
+# ---------------------------------------------------------------------- trie
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(small_tokens, min_size=1, max_size=4), st.integers(2, 6), st.integers(1, 30),
+       st.integers(1, 4))
+def test_trie_identical_after_every_step_with_eviction(streams, depth, extra, chunk):
+    """Same nodes, counts, child order, LRU and anchors, step by step (capacity forces eviction)."""
+    ref, fast = NgramTrie(depth + extra, depth), FastTrie(depth + extra, depth)
+    states = [(ref.new_state(), fast.new_state()) for _ in streams]
+    done = [0] * len(streams)
+    while any(d < len(s) for d, s in zip(done, streams)):
+        for i, s in enumerate(streams):
+            if done[i] < len(s):
+                end = min(len(s), done[i] + chunk)
+                ref.extend(states[i][0], s[:end], done[i])
+                fast.extend(states[i][1], s[:end], done[i])
+                done[i] = end
+                assert ref.anchors(states[i][0], s[:end]) == fast.anchors(states[i][1], s[:end])
+                same_arrays(ref, fast)
+    assert (ref.num_nodes, ref.num_evicted) == (fast.num_nodes, fast.num_evicted)
+
+
+def test_trie_identical_through_growth_and_eviction():
+    """A long stream: column growth, re-hashing, then eviction at capacity."""
+    rng = np.random.default_rng(1)
+    phrases = [rng.integers(0, 300, size=int(rng.integers(2, 8))).tolist() for _ in range(200)]
+    stream: list[int] = []
+    while len(stream) < 4000:
+        stream.extend(phrases[int(rng.integers(0, 200))])
+    ref, fast = NgramTrie(10_000, 8), FastTrie(10_000, 8)
+    sr, sf = ref.new_state(), fast.new_state()
+    for start in range(0, len(stream), 97):
+        end = min(len(stream), start + 97)
+        ref.extend(sr, stream[:end], start)
+        fast.extend(sf, stream[:end], start)
+    assert ref.num_evicted > 0
+    same_arrays(ref, fast)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(small_tokens, min_size=1, max_size=3), st.integers(2, 5), st.integers(1, 20))
+def test_trie_arrays_load_across_backends(streams, depth, extra):
+    """Either backend's to_arrays loads into the other and both continue identically."""
+    ref = NgramTrie(depth + extra, depth)
+    for s in streams:
+        ref.extend(ref.new_state(), s, 0)
+    fast = FastTrie.from_arrays(*ref.to_arrays())
+    back = NgramTrie.from_arrays(*fast.to_arrays())
+    same_arrays(ref, fast)
+    tail = [1, 2, 3, 1, 2, 4, 5]
+    for trie in (ref, fast, back):
+        trie.extend(trie.new_state(), tail, 0)
+    same_arrays(ref, fast)
+    same_arrays(ref, back)
+
+
+def test_fast_trie_bytes_per_node():
+    """Arrays make a node small: the default capacity stays far below 1 GiB."""
+    trie = FastTrie(DEFAULT_CAPACITY, 18)
+    trie.reserve(DEFAULT_CAPACITY)  # fully grown: columns and tables at their final size
+    per_node = trie.nbytes() / DEFAULT_CAPACITY
+    assert per_node < 64
+    assert per_node * DEFAULT_CAPACITY < 2**30
+
+
+# ---------------------------------------------------------------------- context index
+
+
+def test_context_index_identical_through_growth():
+    rng = np.random.default_rng(2)
+    ref, fast = ContextIndex(16, 64), FastContextIndex(16, 64)
+    for doc in ([1, 2, 3, 4], [5, 1, 2]):
+        ref.add_document(doc)
+        fast.add_document(doc)
+    for _ in range(300):  # ~6000 tokens: arrays and table grow several times
+        chunk = rng.integers(0, 12, size=int(rng.integers(1, 40))).tolist()
+        ref.extend(chunk)
+        fast.extend(chunk)
+        assert ref.anchors(3) == fast.anchors(3)
+    assert ref.tokens == fast.tokens.tolist()
+
+
+# ---------------------------------------------------------------------- drafter
+
+
+class StubCorpora:
+    def __init__(self, docs: list[list[int]]) -> None:
+        sam = SuffixAutomaton()
+        for doc in docs:
+            sam.add_document(doc)
+        sam.finalize()
+        self.sams = {"c": sam}
+
+    def snapshot(self) -> dict[str, SuffixAutomaton]:
+        return dict(self.sams)
+
+
+configs = st.fixed_dictionaries({
+    "capacity": st.sampled_from([25, 60, 100_000]),
+    "max_trie_depth": st.integers(2, 8),
+    "max_context_match": st.integers(1, 6),
+    "max_context_occurrences": st.integers(1, 8),
+    "max_anchors_per_source": st.integers(1, 3),
+    "max_bfs_breadth": st.integers(1, 4),
+    "draft_token_num": st.integers(1, 12),
+    "min_path_prob": st.sampled_from([0.0, 0.05]),
+    "calibrate": st.booleans(),
+    "insert_prompt": st.booleans(),
+})
+
+
+def tree_key(tree) -> tuple:
+    return tree.token_ids, tree.parents, tree.probs, tree.sources
+
+
+def run_lockstep(data, config: dict, corpora: StubCorpora | None, steps: int) -> None:
+    """Random start/propose/commit/stop/reset sequences on both backends; trees must match."""
+    ref = make_drafter(DrafterConfig(backend="python", **config), corpora)
+    fast = make_drafter(DrafterConfig(backend="numba", **config), corpora)
+    assert type(ref) is NgramDrafter and isinstance(fast, FastNgramDrafter)
+    live: dict[str, list[int]] = {}
+    for step in range(steps):
+        op = data.draw(st.sampled_from(["start", "step", "step", "step", "stop", "reset",
+                                        "flush", "reload"]))
+        if op == "start" or not live:
+            rid = f"r{step}"
+            prompt = data.draw(small_tokens)
+            refs = data.draw(st.one_of(st.none(), st.lists(small_tokens, max_size=2)))
+            for d in (ref, fast):
+                d.start(rid, prompt, refs)
+            live[rid] = data.draw(st.lists(st.integers(0, 5), min_size=12, max_size=12))
+        elif op == "step":
+            ids = list(live)
+            budgets = data.draw(st.lists(st.integers(0, 12), min_size=len(ids),
+                                         max_size=len(ids)))
+            trees = ref.propose(ids, budgets)
+            fast_trees = fast.propose(ids, budgets)
+            assert [tree_key(t) for t in trees] == [tree_key(t) for t in fast_trees]
+            for tree in fast_trees:  # built without re-validation: check it here
+                DraftTree(*tree_key(tree))
+            for rid, tree in zip(ids, trees):
+                future = live[rid]
+                accepted = [tree.token_ids[i] for i in tree.accepted_nodes(future)]
+                emitted = accepted + [future[len(accepted)]] if len(accepted) < 12 else accepted
+                for d in (ref, fast):
+                    d.commit(rid, emitted)
+                live[rid] = future[len(emitted):] + data.draw(
+                    st.lists(st.integers(0, 5), min_size=len(emitted), max_size=len(emitted)))
+        elif op == "stop":
+            rid = data.draw(st.sampled_from(sorted(live)))
+            for d in (ref, fast):
+                d.stop(rid)
+            del live[rid]
+        elif op == "flush":  # the server's flush: the trie forgets, requests keep going
+            for d in (ref, fast):
+                d.trie.reset()
+        elif op == "reload":  # the server's install of a saved trie under live requests
+            for d in (ref, fast):
+                trie = type(d.trie).from_arrays(*d.trie.to_arrays())
+                trie.epoch = d.trie.epoch + 1
+                d.trie = trie
+        else:
+            for d in (ref, fast):
+                d.reset()
+            live.clear()
+    assert ref.stats() == fast.stats()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data(), configs)
+def test_drafters_build_identical_trees(data, config):
+    run_lockstep(data, config, None, 25)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.data(), configs, st.lists(small_tokens, min_size=1, max_size=3))
+def test_drafters_identical_with_external_corpora(data, config, docs):
+    run_lockstep(data, config, StubCorpora(docs), 15)
+
+
+def test_backend_field():
+    assert DrafterConfig().backend == "auto"
+    with pytest.raises(ValueError, match=r"DrafterConfig\.backend "):
+        DrafterConfig(backend="c++")

@@ -1,0 +1,114 @@
+"""Property tests: every tree NgramDrafter proposes is valid, best-first and deterministic."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ngramspec.drafting.config import DrafterConfig
+from ngramspec.drafting.oracle.drafter import NgramDrafter
+from ngramspec.drafting.index.sam import SEPARATOR, SuffixAutomaton
+from ngramspec.drafting.sources import CONTEXT, CORPUS, TRIE
+from ngramspec.drafting.tree import DraftTree
+
+
+class Corpora:
+    def __init__(self, docs: list[list[int]]) -> None:
+        self.sams = {}
+        if any(docs):
+            sam = SuffixAutomaton()
+            for doc in docs:
+                sam.add_document(doc)
+            sam.finalize()
+            self.sams["c"] = sam
+
+    def snapshot(self) -> dict[str, SuffixAutomaton]:
+        return self.sams
+
+
+tok = st.integers(0, 5)
+scenario = st.fixed_dictionaries({
+    "prompts": st.lists(st.lists(tok, min_size=1, max_size=20), min_size=1, max_size=3),
+    "refs": st.lists(st.lists(tok, max_size=10), max_size=2),
+    "docs": st.lists(st.lists(tok, min_size=1, max_size=15), max_size=3),
+    "steps": st.lists(st.tuples(st.integers(0, 2), st.lists(tok, min_size=1, max_size=4),
+                                st.integers(0, 15)), max_size=12),
+    "capacity": st.integers(20, 200),
+})
+
+
+def run(sc: dict) -> tuple[list[DraftTree], list[list[int]], list[list[int]]]:
+    cfg = DrafterConfig(capacity=sc["capacity"], max_trie_depth=6, max_context_match=5,
+                        max_sam_match=5, draft_token_num=12)
+    drafter = NgramDrafter(cfg, Corpora(sc["docs"]))
+    ids = [f"r{i}" for i in range(len(sc["prompts"]))]
+    texts = [list(p) for p in sc["prompts"]]
+    for rid, prompt in zip(ids, sc["prompts"]):
+        drafter.start(rid, prompt, references=sc["refs"])
+    trees, budgets = [], []
+    for who, tokens, budget in sc["steps"]:
+        i = who % len(ids)
+        (tree,) = drafter.propose([ids[i]], [budget])
+        trees.append(tree)
+        budgets.append(budget)
+        assert tree.token_ids[0] == texts[i][-1]
+        drafter.commit(ids[i], tokens)
+        texts[i].extend(tokens)
+    return trees, budgets, texts
+
+
+def check_tree(tree: DraftTree, budget: int) -> None:
+    n = len(tree)
+    assert 1 <= n <= 1 + min(budget, 11)
+    assert tree.parents[0] == -1 and tree.probs[0] == 1.0 and tree.sources[0] == -1
+    seen = set()
+    for i in range(1, n):
+        p = tree.parents[i]
+        assert 0 <= p < i
+        assert (p, tree.token_ids[i]) not in seen  # no duplicate siblings
+        seen.add((p, tree.token_ids[i]))
+        assert 0.0 < tree.probs[i] <= tree.probs[p]  # a path is no likelier than its prefix
+        assert tree.probs[i] <= tree.probs[i - 1] + 1e-12  # best-first order
+        assert tree.sources[i] in (CONTEXT, TRIE, CORPUS)
+        assert tree.token_ids[i] != SEPARATOR
+    for k in range(n):  # every prefix is itself a valid tree
+        DraftTree(*[a[:k + 1] for a in (tree.token_ids, tree.parents, tree.probs, tree.sources)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(scenario)
+def test_every_tree_is_valid_and_best_first(sc):
+    trees, budgets, _ = run(sc)
+    for tree, budget in zip(trees, budgets):
+        check_tree(tree, budget)
+
+
+@settings(max_examples=25, deadline=None)
+@given(scenario)
+def test_same_inputs_same_trees(sc):
+    a, _, _ = run(sc)
+    b, _, _ = run(sc)
+    assert [(t.token_ids, t.parents, t.probs, t.sources) for t in a] == [
+        (t.token_ids, t.parents, t.probs, t.sources) for t in b
+    ]
+
+
+def occurs_in_one_document(path: list[int], docs: list[list[int]]) -> bool:
+    n = len(path)
+    return any(d[i : i + n] == path for d in docs for i in range(len(d) - n + 1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(tok, min_size=1, max_size=12), min_size=1, max_size=3),
+       st.lists(tok, min_size=1, max_size=8))
+def test_corpus_drafts_never_cross_a_document_separator(docs, prompt):
+    # Only the corpus can propose here: the prompt is tiny and the trie knows only the prompt.
+    drafter = NgramDrafter(DrafterConfig(max_sam_match=6), Corpora(docs))
+    drafter.start("r", prompt)
+    (tree,) = drafter.propose(["r"], [11])
+    for i in range(1, len(tree)):
+        if tree.sources[i] != CORPUS:
+            continue
+        path = [tree.token_ids[j] for j in tree.path_to(i)]
+        # The matched suffix ends with the root token; root + path lies inside one document.
+        assert occurs_in_one_document([prompt[-1]] + path, docs)

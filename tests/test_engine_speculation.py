@@ -1,0 +1,299 @@
+"""Speculation in the engine is lossless: greedy output equals plain decoding token for token, and
+sampled output keeps the exact target distribution (tiny random model, chi-square)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import first_difference, prefill_logits, top2_gap
+from ngramspec import LLM, SamplingParams
+from ngramspec.layers.sampler import apply_penalties, target_probs
+from ngramspec.drafting.tree import DraftTree
+
+STREAMS = Path(__file__).resolve().parent.parent / "data" / "streams"
+FLAT_COST = [1.0] * 14  # verify cost independent of size: always draft the full tree
+MAX_GAP = 1e-4  # a greedy divergence is acceptable only at a tie this close
+
+
+def _prompts() -> list[tuple[str, list[int], int]]:
+    """(name, prompt ids, max_tokens): one per Spec-Bench category and every code edit (long)."""
+    out, seen = [], set()
+    for line in (STREAMS / "spec_bench.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec["category"] not in seen or rec["category"] in ("summarization", "rag", "coding"):
+            seen.add(rec["category"])
+            out.append((rec["id"], rec["prompt_ids"], 64))
+    for line in (STREAMS / "code_edit.jsonl").read_text().splitlines()[:4]:
+        rec = json.loads(line)
+        out.append((rec["id"], rec["prompt_ids"], 260))
+    return out
+
+
+@pytest.fixture(scope="module")
+def spec_llm(llm):
+    return LLM(num_threads=2, speculative="ngram", verify_cost=FLAT_COST)
+
+
+def _check_divergence(llm, name: str, prompt: list[int], ours: list[int], ref: list[int]) -> None:
+    k = first_difference(ours, ref)
+    if k is None:
+        return
+    logits = prefill_logits(llm.engine, prompt + ref[:k])[-1]
+    gap = top2_gap(logits)
+    print(f"{name}: spec and plain differ first at output token {k}; top-2 logit gap there {gap:.3g}")
+    assert gap < MAX_GAP, f"{name}: divergence at token {k} with top-2 gap {gap:.3g} >= {MAX_GAP}"
+
+
+def test_greedy_spec_equals_plain_on_many_prompts(llm, spec_llm):
+    prompts = _prompts()
+    assert len(prompts) >= 20
+    params = [SamplingParams(temperature=0, max_tokens=m) for _, _, m in prompts]
+    plain = llm.generate([p for _, p, _ in prompts], params)
+    spec = spec_llm.generate([p for _, p, _ in prompts], params)
+    assert any(len(o.token_ids) >= 256 for o in plain), "needs long outputs"
+    assert spec_llm.engine.stats.num_accepted_tokens > 0, "speculation never accepted anything"
+    for (name, prompt, _), a, b in zip(prompts, spec, plain):
+        _check_divergence(llm, name, prompt, a.token_ids, b.token_ids)
+        assert a.finish_reason == b.finish_reason or first_difference(a.token_ids, b.token_ids)
+
+
+def test_greedy_spec_equals_plain_with_staggered_arrivals(llm, spec_llm):
+    prompts = _prompts()[::3]
+    params = SamplingParams(temperature=0, max_tokens=64)
+    alone = [llm.generate(p, params)[0].token_ids for _, p, _ in prompts]
+    engine = spec_llm.engine
+    seqs = []
+    for _, prompt, _ in prompts:  # one new request every two steps, while others decode
+        seqs.append(engine.add_request(f"stagger-{len(seqs)}", prompt, params))
+        engine.step()
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    for (name, prompt, _), seq, ref in zip(prompts, seqs, alone):
+        _check_divergence(llm, name, prompt, seq.output_ids, ref)
+
+
+# ----------------------------------------------------------------------------- hand-built cases
+
+class OracleDrafter:
+    """Drafts the true continuation (known in advance) as a chain, plus a wrong sibling first."""
+
+    def __init__(self, futures: dict[str, list[int]], depth: int = 6) -> None:
+        self.futures, self.depth, self.done = futures, depth, {}
+
+    def start(self, rid, prompt_ids, references=None):
+        self.done[rid] = 0
+
+    def propose(self, rids, budgets):
+        trees = []
+        for rid, budget in zip(rids, budgets):
+            future = self.futures[rid][self.done[rid]:][: min(self.depth, budget - 1)]
+            # Root token 0 is deliberately wrong (the engine must use the real last token), and
+            # node 1 is a wrong first guess (token 1 is never output here).
+            ids, parents = [0, 1], [-1, 0]
+            for i, tok in enumerate(future):
+                parents.append(0 if i == 0 else len(ids) - 1)
+                ids.append(tok)
+            trees.append(DraftTree(ids, parents, [1.0] * len(ids)))
+        return trees
+
+    def commit(self, rid, tokens):
+        self.done[rid] += len(tokens)
+
+    def stop(self, rid):
+        self.done.pop(rid, None)
+
+    def reset(self):
+        self.done.clear()
+
+
+def _with_oracle(spec_llm, prompts, futures_params):
+    engine = spec_llm.engine
+    saved = engine.speculator.drafter, engine.speculator.adaptive
+    futures, seqs = {}, []
+    for i, (prompt, (future, params)) in enumerate(zip(prompts, futures_params)):
+        futures[f"oracle-{i}"] = future
+    engine.speculator.drafter, engine.speculator.adaptive = OracleDrafter(futures), False
+    try:
+        for i, (prompt, (_, params)) in enumerate(zip(prompts, futures_params)):
+            seqs.append(engine.add_request(f"oracle-{i}", prompt, params))
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        engine.speculator.drafter, engine.speculator.adaptive = saved
+    return seqs
+
+
+def test_stops_inside_an_accepted_run(llm, spec_llm, prompt_ids):
+    """max_tokens, a stop token id, a stop string and EOS land inside long accepted runs."""
+    base = SamplingParams(temperature=0, max_tokens=40)
+    prompt = prompt_ids[0]  # ends with EOS after a short answer
+    full = llm.generate(prompt, base)[0]
+    assert full.finish_reason == "stop" and full.token_ids[-1] in llm.engine.eos_token_ids
+    long_prompt = prompt_ids[6]
+    long_full = llm.generate(long_prompt, SamplingParams(temperature=0, max_tokens=60))[0].token_ids
+    stop_tok = long_full[9]
+    stop_text = llm.tokenizer.decode(long_full[14:17])
+    cases = [
+        (prompt, SamplingParams(temperature=0, max_tokens=40)),  # EOS mid-run
+        (long_prompt, SamplingParams(temperature=0, max_tokens=11)),  # max_tokens mid-run
+        (long_prompt, SamplingParams(temperature=0, max_tokens=60, stop_token_ids=[stop_tok])),
+        (long_prompt, SamplingParams(temperature=0, max_tokens=60, stop=[stop_text])),
+    ]
+    plain = [llm.generate(p, sp)[0] for p, sp in cases]
+    future = [(full.token_ids + [5] * 20, cases[0][1])] + [(long_full, sp) for _, sp in cases[1:]]
+    seqs = _with_oracle(spec_llm, [p for p, _ in cases], future)
+    for seq, ref in zip(seqs, plain):
+        assert seq.output_ids == ref.token_ids
+        assert seq.finish_reason == ref.finish_reason
+        assert seq.spec.num_accepted_tokens > 0
+        text = llm.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        if seq.stop_text_len is not None:
+            assert text[: seq.stop_text_len] == ref.text
+    assert spec_llm.engine.allocator.num_free == spec_llm.engine.allocator.num_usable
+
+
+# ----------------------------------------------------------------------------- sampling
+
+class RandomTreeDrafter:
+    """Random trees over a small candidate set: often wrong, sometimes right, duplicates never."""
+
+    def __init__(self, candidates: list[int], seed: int = 0) -> None:
+        self.candidates, self.rng, self.last = candidates, random.Random(seed), {}
+
+    def start(self, rid, prompt_ids, references=None):
+        self.last[rid] = prompt_ids[-1]
+
+    def propose(self, rids, budgets):
+        trees = []
+        for rid, budget in zip(rids, budgets):
+            ids, parents = [self.last[rid]], [-1]
+            for _ in range(self.rng.randint(0, min(budget, 8))):
+                parent = self.rng.randrange(len(ids))
+                taken = {ids[i] for i in range(1, len(ids)) if parents[i] == parent}
+                free = [c for c in self.candidates if c not in taken]
+                if free:
+                    ids.append(self.rng.choice(free))
+                    parents.append(parent)
+            trees.append(DraftTree(ids, parents))
+        return trees
+
+    def commit(self, rid, tokens):
+        self.last[rid] = tokens[-1]
+
+    def stop(self, rid):
+        self.last.pop(rid, None)
+
+    def reset(self):
+        self.last.clear()
+
+
+def _exact_joint(engine, prompt, params, length=3) -> dict[tuple[int, ...], float]:
+    """The exact distribution of the first `length` tokens under plain sampling."""
+    probs = {(): 1.0}
+    for _ in range(length):
+        nxt = {}
+        for prefix, p in probs.items():
+            logits = prefill_logits(engine, prompt + list(prefix))[-1]
+            logits = apply_penalties(logits, params, prompt, list(prefix))
+            q = target_probs(logits, params)
+            for tok in q.nonzero().flatten().tolist():
+                nxt[prefix + (tok,)] = p * float(q[tok])
+        probs = nxt
+    return probs
+
+
+def _chi_square_p(counts: dict, expected: dict[tuple, float], n: int) -> float:
+    cells, other_obs, other_exp, stat = 0, 0, 0.0, 0.0
+    for key, p in expected.items():
+        e = p * n
+        if e < 5:
+            other_obs += counts.get(key, 0)
+            other_exp += e
+            continue
+        stat += (counts.get(key, 0) - e) ** 2 / e
+        cells += 1
+    assert sum(v for k, v in counts.items() if k not in expected) == 0, "sampled an impossible token"
+    if other_exp > 0:
+        stat += (other_obs - other_exp) ** 2 / other_exp
+        cells += 1
+    df = cells - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(stat / 2.0)))
+
+
+@pytest.fixture(scope="module")
+def tiny_spec_llm(tiny_model_dirs):
+    return LLM(model=str(tiny_model_dirs["llama"]), num_threads=2, speculative="ngram",
+               verify_cost=FLAT_COST, max_num_seqs=256, max_num_batched_tokens=4096)
+
+
+def _sample(llm, prompt, params, n, seed0):
+    outs = llm.generate([prompt] * n, [SamplingParams(**{**_fields(params), "seed": seed0 + i})
+                                       for i in range(n)])
+    counts: dict[tuple[int, ...], int] = {}
+    for o in outs:
+        key = tuple(o.token_ids[:3])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _fields(params: SamplingParams) -> dict:
+    return {k: getattr(params, k) for k in params.__slots__}
+
+
+def test_sampling_with_speculation_keeps_the_target_distribution(tiny_spec_llm):
+    llm = tiny_spec_llm
+    engine = llm.engine
+    prompt = [5, 17, 42, 99, 7, 3]
+    params = SamplingParams(temperature=0.9, top_k=6, top_p=0.95, presence_penalty=0.7,
+                            max_tokens=3, ignore_eos=True)
+    exact = _exact_joint(engine, prompt, params)
+    support = sorted({t for key in exact for t in key})
+    engine.speculator.drafter = RandomTreeDrafter(support + [0, 1])
+    engine.speculator.adaptive = False
+    n = 2400
+    spec_counts = _sample(llm, prompt, params, n, seed0=10_000)
+    assert engine.stats.num_accepted_tokens > 50, "forced drafts were never accepted"
+    assert engine.stats.num_draft_tokens > 2 * engine.stats.num_accepted_tokens, "drafts too easy"
+    p_spec = _chi_square_p(spec_counts, exact, n)
+    plain = SamplingParams(**{**_fields(params), "speculative": False})
+    p_plain = _chi_square_p(_sample(llm, prompt, plain, n, seed0=50_000), exact, n)
+    print(f"chi-square p: speculative {p_spec:.3g}, plain {p_plain:.3g} ({len(exact)} outcomes)")
+    assert p_spec > 1e-3
+    assert p_plain > 1e-3
+    # The test can fail: the same samples against a wrong (colder) distribution are rejected.
+    wrong = _exact_joint(engine, prompt, SamplingParams(**{**_fields(params), "temperature": 0.4}))
+    assert _chi_square_p(spec_counts, wrong, n) < 1e-3
+
+
+# ----------------------------------------------------------------------------- KV integrity
+
+def test_thousand_mixed_requests_leave_no_slot_behind(tiny_model_dirs):
+    small = dict(model=str(tiny_model_dirs["llama"]), num_threads=2, max_num_seqs=48,
+                 kv_cache_bytes=2400 * 2 * 2 * 2 * 32 * 4)  # ~2400 slots: requests must wait
+    spec = LLM(speculative="ngram", verify_cost=FLAT_COST, **small)
+    plain = LLM(**small)
+    rng = random.Random(0)
+    base = [rng.randrange(3, 500) for _ in range(40)]
+    prompts, params = [], []
+    for i in range(1000):
+        start = rng.randrange(20)
+        prompts.append(base[start : start + rng.randrange(4, 20)] + base[:rng.randrange(1, 8)])
+        kind = i % 3
+        params.append(SamplingParams(temperature=0 if kind else 0.8, seed=i, ignore_eos=True,
+                                     max_tokens=rng.randrange(1, 24), speculative=kind != 2))
+    outs = spec.generate(prompts, params)
+    refs = plain.generate(prompts, params)
+    alloc = spec.engine.allocator
+    assert alloc.num_free == alloc.num_usable
+    assert spec.engine.stats.num_accepted_tokens > 0
+    for o, r, p in zip(outs, refs, params):
+        assert len(o.token_ids) == p.max_tokens
+        if p.temperature == 0:
+            assert o.token_ids == r.token_ids

@@ -1,0 +1,137 @@
+"""The draft budget: calibrated estimates and the cost-driven choice of draft sizes (no model)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings, strategies as st
+
+from ngramspec.engine.acceptance import AcceptanceCalibrator
+from ngramspec.engine.cost_model import VerifyCost
+from ngramspec.engine.speculator import (PER_TREE_OVERHEAD_S, TREE_STEP_OVERHEAD_S,
+                                         choose_draft_sizes)
+from ngramspec.drafting.tree import DraftTree
+
+
+def chain(probs: list[float]) -> DraftTree:
+    n = len(probs) + 1
+    return DraftTree([7] * n, [-1] + list(range(n - 1)), [1.0] + probs)
+
+
+def brute_force_sizes(trees, base, cost):
+    """Best prefix sizes by trying every combination (small cases only)."""
+    import itertools
+
+    best, best_rate = None, -1.0
+    for sizes in itertools.product(*[range(len(t)) for t in trees]):
+        expected = len(trees) + sum(sum(t.probs[1 : k + 1]) for t, k in zip(trees, sizes))
+        m = sum(sizes)
+        rate = expected / (cost(base + m) + _overhead(sizes))
+        if rate > best_rate + 1e-12:
+            best, best_rate = list(sizes), rate
+    return best_rate
+
+
+def _overhead(sizes: list[int]) -> float:
+    if not any(sizes):
+        return 0.0
+    return TREE_STEP_OVERHEAD_S + PER_TREE_OVERHEAD_S * sum(1 for k in sizes if k)
+
+
+probs_st = st.lists(st.floats(0.0, 1.0), min_size=0, max_size=4).map(
+    lambda ps: sorted(ps, reverse=True))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(probs_st, min_size=1, max_size=3), st.floats(1.0, 3.0))
+def test_chosen_sizes_reach_the_best_rate(tree_probs, slope):
+    cost = VerifyCost([1, 2, 64], [0.03, 0.03 * (1 + 0.1 * slope), 0.03 * (1 + 3 * slope)])
+    trees = [chain(p) for p in tree_probs]
+    sizes = choose_draft_sizes([t.probs for t in trees], len(trees), cost)
+    assert all(0 <= k < len(t) for k, t in zip(sizes, trees))
+    m = sum(sizes)
+    expected = len(trees) + sum(sum(t.probs[1 : k + 1]) for t, k in zip(trees, sizes))
+    rate = expected / (cost(len(trees) + m) + _overhead(sizes))
+    # Greedy over the global best-first order is optimal for prefix-closed, sorted probabilities
+    # up to the overhead step; it must never do worse than drafting nothing.
+    assert rate >= len(trees) / cost(len(trees)) - 1e-12
+    assert rate >= brute_force_sizes(trees, len(trees), cost) * 0.97
+
+
+def test_no_drafts_when_verify_is_expensive():
+    steep = VerifyCost([1, 2, 16], [0.03, 0.06, 0.5])
+    assert choose_draft_sizes([chain([0.5, 0.4, 0.3]).probs], 1, steep) == [0]
+    flat = VerifyCost([1, 16], [0.03, 0.031])
+    assert choose_draft_sizes([chain([0.5, 0.4, 0.3]).probs], 1, flat) == [3]
+
+
+def test_calibrator_learns_and_keeps_trees_best_first():
+    cal = AcceptanceCalibrator()
+    tree = chain([0.55, 0.5, 0.45, 0.2])
+    before = cal.correct(chain(list(tree.probs[1:])).probs)
+    assert all(a >= b for a, b in zip(before, before[1:])), "corrected probs must not increase"
+    for _ in range(200):  # nothing is ever accepted: estimates must fall towards zero
+        cal.observe(tree.probs, [])
+    after = cal.correct(chain(list(tree.probs[1:])).probs)
+    assert all(a < b for a, b in zip(after[1:], before[1:]))
+    assert after[1] < 0.05
+    for _ in range(400):  # now everything is accepted: they rise above the raw values' prior
+        cal.observe(tree.probs, [1, 2, 3, 4])
+    rising = cal.correct(chain(list(tree.probs[1:])).probs)
+    assert rising[1] > after[1] and rising[1] > 0.5
+
+
+def test_throughput_guard_learns_the_true_base_and_extra_costs():
+    from ngramspec.engine.throughput import MAX_PENALTY, PROBE_EVERY, ThroughputGuard
+
+    guard = ThroughputGuard()
+    assert guard.correction(16) == (1.0, 1.0)  # nothing observed: trust the curve
+    guard.observe(16, 0.05, 0.08, 0.3)  # a drafting step before any plain one teaches nothing
+    assert guard.correction(16) == (1.0, 1.0)
+    for _ in range(100):
+        # At 16 sequences a plain step takes 3x the curve; drafting adds 4x the predicted extra.
+        guard.observe(16, 0.05, 0.05, 0.15)
+        guard.observe(16, 0.05, 0.08, 0.15 + 4 * 0.03)
+    scale, penalty = guard.correction(16)
+    assert abs(scale - 3.0) < 1e-6 and abs(penalty - 4.0) < 1e-6
+    assert guard.correction(1) == (1.0, 1.0)  # other batch sizes are judged on their own
+    for _ in range(200):  # drafting became cheap: the penalty falls to its floor, not below
+        guard.observe(16, 0.05, 0.05, 0.15)
+        guard.observe(16, 0.05, 0.08, 0.15)
+    assert guard.correction(16)[1] == 0.5
+    for _ in range(200):  # absurdly dear drafting is capped
+        guard.observe(16, 0.05, 0.05, 0.15)
+        guard.observe(16, 0.05, 0.051, 10.0)
+    assert guard.correction(16)[1] == MAX_PENALTY
+    probes = sum(guard.should_probe() for _ in range(4 * PROBE_EVERY))
+    assert probes == 4  # one plain probe step in PROBE_EVERY keeps the plain base measured
+
+
+def test_corrections_move_the_draft_size_choice():
+    flat = VerifyCost([1, 16], [0.03, 0.034])
+    tree = chain([0.5, 0.4, 0.3, 0.2])
+    assert choose_draft_sizes([tree.probs], 1, flat) == [4]
+    assert choose_draft_sizes([tree.probs], 1, flat, penalty=50.0) == [0]  # drafting proved dear
+    # A plain step that really costs 10x the curve makes the same extra relatively cheap.
+    steep = VerifyCost([1, 2, 16], [0.03, 0.05, 0.2])
+    assert choose_draft_sizes([tree.probs], 1, steep) == [0]
+    assert choose_draft_sizes([tree.probs], 1, steep, base_scale=10.0)[0] > 0
+
+
+def test_request_acceptance_scales_one_request_by_its_own_record():
+    from ngramspec.engine.acceptance import MAX_PROB, RequestAcceptance
+
+    ra = RequestAcceptance(prior_tokens=3.0)
+    tree = chain([0.6, 0.5, 0.4])
+    assert ra.scale(1, chain(list(tree.probs[1:])).probs) == tree.probs  # no record: unchanged
+    for _ in range(10):  # request 1 accepts nothing of an expected 1.5 tokens per step
+        ra.observe(1, 1.5, 0)
+        ra.observe(2, 1.0, 2)  # request 2 accepts twice what was expected
+    assert abs(ra.factor(1) - 3.0 / 18.0) < 1e-12
+    low = ra.scale(1, chain(list(tree.probs[1:])).probs)
+    assert all(abs(a - b * 3.0 / 18.0) < 1e-12 for a, b in zip(low[1:], tree.probs[1:]))
+    high = ra.scale(2, chain(list(tree.probs[1:])).probs)
+    assert high[1] == MAX_PROB and all(a >= b for a, b in zip(high[1:], high[2:]))
+    cost = VerifyCost([1, 2, 16], [0.03, 0.036, 0.06])
+    assert choose_draft_sizes([chain([0.6, 0.5, 0.4]).probs], 1, cost)[0] > 0
+    assert choose_draft_sizes([ra.scale(1, chain([0.6, 0.5, 0.4]).probs)], 1, cost) == [0]
+    ra.forget(1)
+    assert ra.factor(1) == 1.0 and ra.factor(2) > 1.0
