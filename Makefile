@@ -19,7 +19,7 @@ run: $(STAMP)
 	$(BIN)/ngramspec demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -x -q
+	$(BIN)/python -m pytest -x   # pyproject adds -q: the closing summary line prints
 
 serve: $(STAMP)
 	$(BIN)/ngramspec serve --speculative ngram

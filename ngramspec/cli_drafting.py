@@ -16,7 +16,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from ngramspec.drafting.config import DrafterConfig, make_drafter
+from ngramspec.drafting.config import DrafterConfig
+from ngramspec.drafting.factory import make_drafter
 
 DEST_PREFIX = "drafter_"
 CHOICES = {"preset": ["ngramspec", "sglang"], "match_type": ["BFS", "PROB"]}

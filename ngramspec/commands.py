@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from ngramspec.cli import (add_engine_args, add_sampling_args, engine_kwargs_from_args,
+from ngramspec.cli_options import (add_engine_args, add_sampling_args, engine_kwargs_from_args,
                            sampling_params_from_args)
 
 

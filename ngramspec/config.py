@@ -23,7 +23,6 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     kv_cache_bytes: int = 1 << 30  # memory budget for K/V; sets the number of slots
     num_threads: int | None = None  # CPU threads for torch; None leaves torch's default
-    seed: int = 0
     speculative: str | None = None  # None | "ngram"
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     # Speculation pays only when expected accepted tokens beat the extra verify cost; this

@@ -32,7 +32,7 @@ def demo_prompts() -> list[tuple[str, str]]:
 
 
 def register(sub: Any) -> None:
-    from ngramspec.cli import add_engine_args
+    from ngramspec.cli_options import add_engine_args
 
     p = sub.add_parser("demo", help="stream a few answers, then compare speed with/without speculation")
     p.add_argument("--max-tokens", type=int, default=300)
@@ -44,7 +44,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from ngramspec.cli import engine_kwargs_from_args
+    from ngramspec.cli_options import engine_kwargs_from_args
     from ngramspec.llm import LLM
     from ngramspec.sampling_params import SamplingParams
     from ngramspec.stream import TextStreamer

@@ -536,9 +536,11 @@ def test_drafter_uses_sams_and_reset_keeps_them() -> None:
 
 
 def test_drafter_accepts_drafter_config() -> None:
-    config_mod = pytest.importorskip("ngramspec.drafting.config")
-    config = config_mod.DrafterConfig.sglang(draft_token_num=8, match_type="PROB", capacity=1000)
-    drafter = config_mod.make_drafter(config)
+    from ngramspec.drafting.config import DrafterConfig
+    from ngramspec.drafting.factory import make_drafter
+
+    config = DrafterConfig.sglang(draft_token_num=8, match_type="PROB", capacity=1000)
+    drafter = make_drafter(config)
     assert isinstance(drafter, SGLangDrafter)
     assert drafter.params.match_type == "PROB" and drafter.params.draft_token_num == 8
     assert drafter.params.insert_prompt is False  # faithful unless asked explicitly

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ngramspec.drafting.config import DrafterConfig, make_drafter
+from ngramspec.drafting.config import DrafterConfig
+from ngramspec.drafting.factory import make_drafter
 from ngramspec.drafting.oracle.drafter import NgramDrafter
 from ngramspec.drafting.drafter import FastNgramDrafter
 from ngramspec.drafting.index.sam import SuffixAutomaton

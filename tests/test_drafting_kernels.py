@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ngramspec.drafting.config import DEFAULT_CAPACITY, DrafterConfig, make_drafter
+from ngramspec.drafting.config import DEFAULT_CAPACITY, DrafterConfig
+from ngramspec.drafting.factory import make_drafter
 from ngramspec.drafting.oracle.context import ContextIndex
 from ngramspec.drafting.oracle.drafter import NgramDrafter
 from ngramspec.drafting.kernels.context import FastContextIndex

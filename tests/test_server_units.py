@@ -217,7 +217,8 @@ def _fake_engine(**drafter_overrides):
     """What learned.py touches: engine.speculator.drafter and engine.config.drafter."""
     from types import SimpleNamespace
 
-    from ngramspec.drafting.config import DrafterConfig, make_drafter
+    from ngramspec.drafting.config import DrafterConfig
+    from ngramspec.drafting.factory import make_drafter
 
     config = DrafterConfig(**drafter_overrides)
     drafter = make_drafter(config)

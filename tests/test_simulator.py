@@ -239,7 +239,8 @@ def test_bad_stream_files_name_the_line(tmp_path):
 def test_summary_of_real_drafter_is_consistent():
     """Smoke test with the real drafter: every token is accounted for."""
     pytest.importorskip("ngramspec.drafting.oracle.drafter")
-    from ngramspec.drafting.config import DrafterConfig, make_drafter
+    from ngramspec.drafting.config import DrafterConfig
+    from ngramspec.drafting.factory import make_drafter
 
     text = [3, 4, 5, 6, 7, 8] * 5 + [9, 10, 11] * 4
     streams = [Stream(f"r{i}", text[:10], text[i:]) for i in range(3)]

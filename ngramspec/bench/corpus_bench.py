@@ -22,7 +22,8 @@ import tracemalloc
 from typing import Any
 
 from ngramspec.cli_drafting import add_drafter_args, drafter_config_from_args, load_corpora
-from ngramspec.drafting.config import DrafterConfig, make_drafter
+from ngramspec.drafting.config import DrafterConfig
+from ngramspec.drafting.factory import make_drafter
 from ngramspec.simulator.replay import Stream, read_streams, replay
 
 DEFAULT_STREAMS = ["data/streams/code_edit.jsonl", "data/streams/spec_bench.jsonl"]

@@ -6,7 +6,6 @@ from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from ngramspec.drafting.protocol import Drafter
     from ngramspec.drafting.index.sam import SuffixAutomaton
 
 # Measured bytes per live trie node of drafting/oracle/trie.py (parallel Python lists, one global edge dict,
@@ -28,7 +27,7 @@ class CorpusSnapshot(Protocol):
 @dataclass(slots=True)
 class DrafterConfig:
     preset: str = "ngramspec"  # "ngramspec" (ours) | "sglang" (faithful SGLang NGRAM)
-    # ngramspec preset: "numba" (compiled, spec/fast/), "python" (the reference) or "auto"
+    # ngramspec preset: "numba" (compiled, drafting/kernels/), "python" (the oracle) or "auto"
     # (numba when importable). Both give identical trees.
     backend: str = "auto"
     draft_token_num: int = 12  # tree size including the root (SGLang's d); drafts = d - 1
@@ -109,31 +108,3 @@ class DrafterConfig:
 def _check(ok: bool, field_name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"DrafterConfig.{field_name} {message}")
-
-
-def make_drafter(config: DrafterConfig, corpora: CorpusSnapshot | None = None) -> Drafter:
-    """Build the drafter a config asks for; the SGLang preset is imported only when used."""
-    if config.preset == "sglang":
-        from ngramspec.baselines.sglang.drafter import SGLangDrafter
-
-        return SGLangDrafter(config, corpora)
-    if resolve_backend(config.backend) == "numba":
-        from ngramspec.drafting.drafter import FastNgramDrafter
-
-        return FastNgramDrafter(config, corpora)
-    from ngramspec.drafting.oracle.drafter import NgramDrafter
-
-    return NgramDrafter(config, corpora)
-
-
-def resolve_backend(backend: str) -> str:
-    """"python" or "numba" ("auto" = numba when importable); numba missing is an error."""
-    from ngramspec.drafting.kernels import numba_available
-
-    if backend == "python":
-        return "python"
-    if numba_available():
-        return "numba"
-    if backend == "numba":
-        raise ValueError("DrafterConfig.backend 'numba' needs numba installed")
-    return "python"

@@ -132,26 +132,3 @@ class DraftTree:
                 break
             path.append(node)
         return path
-
-
-@dataclass(slots=True)
-class PackedTrees:
-    """Many trees flattened for one verification pass (pure lists; the runner makes tensors)."""
-
-    token_ids: list[int]  # [total_nodes]
-    parents: list[int]  # [total_nodes] parent index within its own tree, -1 for roots
-    depths: list[int]  # [total_nodes]
-    cu_nodes: list[int]  # [num_trees + 1] offsets of each tree in the flat arrays
-
-
-def pack_trees(trees: list[DraftTree]) -> PackedTrees:
-    token_ids: list[int] = []
-    parents: list[int] = []
-    depths: list[int] = []
-    cu = [0]
-    for tree in trees:
-        token_ids.extend(tree.token_ids)
-        parents.extend(tree.parents)
-        depths.extend(tree.depths())
-        cu.append(cu[-1] + len(tree))
-    return PackedTrees(token_ids, parents, depths, cu)

@@ -13,7 +13,8 @@ from ngramspec.config import EngineConfig
 from ngramspec.engine.kv_cache import SlotAllocator
 from ngramspec.engine.model_runner import ForwardItem, ModelRunner
 from ngramspec.engine.scheduler import Schedule, ScheduledChunk, Scheduler
-from ngramspec.engine.sequence import Sequence, Status
+from ngramspec.engine.sequence import Sequence
+from ngramspec.engine.stats import EngineStats
 from ngramspec.engine.stops import check_stop
 from ngramspec.layers.attention import KVCache
 from ngramspec.models.loader import (load_model_config, load_state_dict, load_tokenizer,
@@ -21,30 +22,6 @@ from ngramspec.models.loader import (load_model_config, load_state_dict, load_to
 from ngramspec.sampling_params import SamplingParams
 from ngramspec.drafting.tree import DraftTree
 from ngramspec.engine.verify import VerifyResult, verify_greedy, verify_sampled
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_steps: int = 0
-    num_verify_steps: int = 0  # per-request verify steps
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_emitted_tokens: int = 0
-    draft_time: float = 0.0
-    forward_time: float = 0.0
-    step_time: float = 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return self.num_emitted_tokens / self.num_verify_steps if self.num_verify_steps else 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        d = {name: getattr(self, name) for name in self.__slots__}
-        d["mean_acceptance_length"] = self.mean_acceptance_length
-        steps = max(self.num_steps, 1)
-        d["draft_ms_per_step"] = 1000 * self.draft_time / steps
-        d["forward_ms_per_step"] = 1000 * self.forward_time / steps
-        return d
 
 
 @dataclass(slots=True)
@@ -76,12 +53,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = self._eos_ids()
         self.stats = EngineStats()
-        self.drafter = None
         self.speculator = None
         if config.speculative == "ngram":
             from ngramspec.engine.speculator import Speculator
 
-            self.speculator = Speculator(config, self, corpora)
+            self.speculator = Speculator(config, self.runner, self.allocator, self.max_model_len,
+                                         corpora)
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         # The model, tokenizer and drafter leave ~400k long-lived Python objects; a full cyclic
@@ -189,7 +166,7 @@ class LLMEngine:
     def _postprocess(self, schedule: Schedule, trees: dict[int, DraftTree],
                      logits: torch.Tensor) -> list[StepOutput]:
         sampling = [c for c in schedule.chunks if c.samples]
-        greedy_targets = self._greedy_targets(sampling, trees, logits)
+        greedy_targets = self._greedy_targets(sampling, logits)
         outputs, row = [], 0
         for chunk in schedule.chunks:
             seq = chunk.seq
@@ -212,7 +189,7 @@ class LLMEngine:
             outputs.append(self._append(seq, tree, result))
         return outputs
 
-    def _greedy_targets(self, chunks: list[ScheduledChunk], trees: dict[int, DraftTree],
+    def _greedy_targets(self, chunks: list[ScheduledChunk],
                         logits: torch.Tensor) -> list[int] | None:
         # One argmax for the whole batch when no request needs per-row processing.
         if all(c.seq.params.greedy and not c.seq.params.has_penalties for c in chunks):

@@ -10,18 +10,22 @@ from ngramspec.engine.cost_model import VerifyCost, measure_cost
 from ngramspec.engine.scheduler import Schedule, ScheduledChunk
 from ngramspec.engine.throughput import ThroughputGuard
 from ngramspec.engine.sequence import Sequence
-from ngramspec.drafting.config import make_drafter
+from ngramspec.drafting.factory import make_drafter
 from ngramspec.drafting.tree import DraftTree
 from ngramspec.engine.verify import VerifyResult
 
 if TYPE_CHECKING:
-    from ngramspec.engine.engine import EngineStats, LLMEngine
+    from ngramspec.engine.kv_cache import SlotAllocator
+    from ngramspec.engine.model_runner import ModelRunner
+    from ngramspec.engine.stats import EngineStats
 
 
 class Speculator:
-    def __init__(self, config: EngineConfig, engine: LLMEngine, corpora=None) -> None:
+    def __init__(self, config: EngineConfig, runner: ModelRunner, allocator: SlotAllocator,
+                 max_model_len: int, corpora=None) -> None:
+        """`runner` measures the cost curve at start-up; `allocator` holds the tree slots."""
         self.config = config.drafter
-        self.engine = engine
+        self.allocator = allocator
         self.corpora = corpora
         self.drafter = make_drafter(config.drafter, corpora)
         # The SGLang preset always verifies its full tree, as SGLang does; ours sizes it by cost.
@@ -35,7 +39,7 @@ class Speculator:
         if config.verify_cost is not None:
             self.cost = VerifyCost.from_relative(config.verify_cost)
         elif self.adaptive:
-            self.cost = measure_cost(engine.runner, engine.allocator, engine.max_model_len,
+            self.cost = measure_cost(runner, allocator, max_model_len,
                                      max_tokens=min(128, config.max_num_batched_tokens))
 
     def start(self, seq: Sequence, references: list[list[int]] | None) -> None:
@@ -65,7 +69,7 @@ class Speculator:
             # drafter with what the model sees.
             tree.token_ids[0] = chunk.seq.token_ids[-1]
             if tree.num_drafts:
-                slots = self.engine.allocator.allocate(tree.num_drafts)
+                slots = self.allocator.allocate(tree.num_drafts)
                 if slots is None:  # cache too full to speculate this step: plain decode
                     continue
                 chunk.slots.extend(slots)

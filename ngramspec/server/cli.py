@@ -18,7 +18,7 @@ API_KEY_ENV = "NGRAMSPEC_API_KEY"
 
 
 def add_serve_parser(subparsers: Any) -> None:
-    from ngramspec.cli import add_engine_args
+    from ngramspec.cli_options import add_engine_args
 
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                               description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -52,7 +52,7 @@ def register(subparsers: Any) -> None:
 
 def configs_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     """(EngineConfig, ServerSettings); ValueError names a bad option."""
-    from ngramspec.cli import engine_kwargs_from_args
+    from ngramspec.cli_options import engine_kwargs_from_args
     from ngramspec.config import EngineConfig
     from ngramspec.server.state import ServerSettings
 

@@ -1,0 +1,84 @@
+"""Shared command-line options (engine, sampling, drafter): a leaf module, so every sub-command
+imports it and nothing imports back."""
+
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine options shared by every command that runs the model (plus all drafter options)."""
+    from ngramspec.cli_drafting import add_drafter_args
+
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    g.add_argument("--max-model-len", type=int, default=4096)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    g.add_argument("--kv-cache-gb", type=float, default=1.0, help="K/V memory budget in GiB")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    g.add_argument("--speculative", choices=["ngram", "none"], default=None,
+                   help="model-free n-gram speculative decoding")
+    g.add_argument("--verify-cost", type=_verify_cost, default=None, metavar="flat|C1,C2,...",
+                   help="forward cost vs query tokens (1, 2, 4, 8, 12, 16, ...) relative to one "
+                        "token; 'flat' always drafts full trees; default: measured at start")
+    g.add_argument("--speculative-algorithm", dest="speculative", type=str.lower,
+                   choices=["ngram", "none"], help=argparse.SUPPRESS)  # SGLang spelling
+    add_drafter_args(parser)
+
+
+def _verify_cost(text: str) -> list[float]:
+    from ngramspec.engine.cost_model import DEFAULT_POINTS
+
+    if text == "flat":
+        return [1.0] * len(DEFAULT_POINTS)
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--verify-cost {text!r}: use 'flat' or numbers") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError("--verify-cost values must be positive")
+    return values
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    from ngramspec.cli_drafting import drafter_config_from_args
+
+    spec = None if args.speculative in (None, "none") else args.speculative
+    return dict(model=args.model, device=args.device, dtype=args.dtype,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), num_threads=args.threads,
+                speculative=spec, drafter=drafter_config_from_args(args),
+                verify_cost=args.verify_cost)
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+
+
+def sampling_params_from_args(args: argparse.Namespace):
+    from ngramspec.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop,
+        ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
+
+
