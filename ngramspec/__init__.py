@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ngramspec.config import EngineConfig
+    from ngramspec.drafting.config import DrafterConfig
     from ngramspec.llm import LLM
     from ngramspec.outputs import RequestOutput
     from ngramspec.sampling_params import SamplingParams
-    from ngramspec.drafting.config import DrafterConfig
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "DrafterConfig", "RequestOutput"]
 

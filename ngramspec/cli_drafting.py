@@ -164,8 +164,8 @@ def add_corpus_parser(subparsers: Any) -> None:
 def run_corpus_build(args: argparse.Namespace) -> int:
     import time
 
-    from ngramspec.models.loader import load_tokenizer
     from ngramspec.corpus.registry import build_corpus_file
+    from ngramspec.models.loader import load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
     t0 = time.perf_counter()

@@ -8,13 +8,17 @@ import json
 import sys
 from typing import Any
 
-from ngramspec.cli_options import (add_engine_args, add_sampling_args, engine_kwargs_from_args,
-                           sampling_params_from_args)
+from ngramspec.cli_options import (
+    add_engine_args,
+    add_sampling_args,
+    engine_kwargs_from_args,
+    sampling_params_from_args,
+)
 
 
 def register(sub: Any) -> None:
-    from ngramspec import demo
     from ngramspec import cli_drafting as spec_cli
+    from ngramspec import demo
 
     p = sub.add_parser("generate", help="complete one prompt")
     p.add_argument("prompt")

@@ -7,13 +7,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ngramspec.drafting.index.sam import SEPARATOR, SuffixAutomaton
-from ngramspec.baselines.sglang.drafter import SGLangDrafter
 from ngramspec.baselines.sglang.corpus import (
-    SGLangCorpus, SGLangParams, leaf_paths_from_mask, parents_from_mask,
+    SGLangCorpus,
+    SGLangParams,
+    leaf_paths_from_mask,
+    parents_from_mask,
 )
 from ngramspec.baselines.sglang.cxx import CxxIntMap, CxxMaxHeap
+from ngramspec.baselines.sglang.drafter import SGLangDrafter
 from ngramspec.baselines.sglang.trie import SGLangTrie
+from ngramspec.drafting.index.sam import SEPARATOR, SuffixAutomaton
 from ngramspec.drafting.sources import CORPUS, TRIE
 from ngramspec.drafting.tree import DraftTree
 

@@ -8,12 +8,21 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ngramspec.bench import workloads
-from ngramspec.bench.workloads import (BenchPrompt, assign_edits, build_workload, code_edit,
-                                       humaneval, limit_per_category, spec_bench, spread_indices,
-                                       stdlib_files)
+from ngramspec.bench.workloads import (
+    BenchPrompt,
+    assign_edits,
+    build_workload,
+    code_edit,
+    humaneval,
+    limit_per_category,
+    spec_bench,
+    spread_indices,
+    stdlib_files,
+)
 
 REAL_SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question.jsonl"
 

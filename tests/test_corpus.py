@@ -11,11 +11,14 @@ import numpy as np
 import pytest
 
 from ngramspec.corpus import readers as corpus_files
-from ngramspec.corpus.registry import (
-    ExternalCorpora, build_corpus_file, corpus_file_info, load_corpus_file,
-)
-from ngramspec.corpus.readers import SEPARATOR, CorpusError, iter_documents, tokenize_documents
 from ngramspec.corpus.ngc import CorruptFileError
+from ngramspec.corpus.readers import SEPARATOR, CorpusError, iter_documents, tokenize_documents
+from ngramspec.corpus.registry import (
+    ExternalCorpora,
+    build_corpus_file,
+    corpus_file_info,
+    load_corpus_file,
+)
 
 
 class CharTokenizer:
@@ -325,8 +328,8 @@ def test_ngc_corrupt_and_wrong_kind(tmp_path):
 
 def test_corpus_cli_build_and_info(tmp_path, monkeypatch, capsys):
     pytest.importorskip("ngramspec.drafting.index.sam")
-    from ngramspec.models import loader
     from ngramspec.cli_drafting import main
+    from ngramspec.models import loader
 
     asked = []
     monkeypatch.setattr(loader, "load_tokenizer", lambda model=None: asked.append(model) or TOK)

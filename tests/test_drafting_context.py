@@ -5,19 +5,19 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracles.context import ReferenceContextIndex
 
-from ngramspec.drafting.oracle.context import ContextIndex
-from ngramspec.drafting.kernels.context import FastContextIndex
+from ngramspec.drafting.index.context import ContextIndex
 from ngramspec.drafting.index.sam import SEPARATOR
 
 # Every test runs on the pure-Python reference and on the numba index (same results).
-backends = pytest.mark.parametrize("index_cls", [ContextIndex, FastContextIndex],
+backends = pytest.mark.parametrize("index_cls", [ReferenceContextIndex, ContextIndex],
                                    ids=["python", "numba"])
 tokens_strategy = st.lists(st.integers(0, 3), min_size=1, max_size=40)
 
 
 def build(index_cls: type, refs: list[list[int]], stream: list[int], max_match: int,
-          k: int) -> ContextIndex | FastContextIndex:
+          k: int) -> ReferenceContextIndex | ContextIndex:
     index = index_cls(max_match, k)
     for doc in refs:
         index.add_document(doc)

@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 import pytest
+from oracles.drafter import ReferenceDrafter
 
 from ngramspec.drafting.config import DrafterConfig
+from ngramspec.drafting.drafter import NgramDrafter
 from ngramspec.drafting.factory import make_drafter
-from ngramspec.drafting.oracle.drafter import NgramDrafter
-from ngramspec.drafting.drafter import FastNgramDrafter
 from ngramspec.drafting.index.sam import SuffixAutomaton
 from ngramspec.drafting.sources import CONTEXT, CORPUS, TRIE
 
-
-# Behaviour tests run on both backends (pure-Python reference and numba).
-backends = pytest.mark.parametrize("backend", ["python", "numba"])
+# Behaviour tests run on the production drafter and on its pure-Python reference.
+backends = pytest.mark.parametrize("backend", ["reference", "production"])
 
 
 def new_drafter(backend: str, corpora: object = None, **overrides: object) -> NgramDrafter:
-    drafter = make_drafter(DrafterConfig(backend=backend, **overrides), corpora)  # type: ignore
-    assert isinstance(drafter, FastNgramDrafter) == (backend == "numba")
-    return drafter  # type: ignore[return-value]
+    cls = NgramDrafter if backend == "production" else ReferenceDrafter
+    return cls(DrafterConfig(**overrides), corpora)  # type: ignore[arg-type, return-value]
 
 
 class StubCorpora:
@@ -196,7 +194,8 @@ def test_lifecycle_errors(backend: str):
         ({"external_corpus_max_tokens": 0}, "external_corpus_max_tokens"),
         ({"max_context_match": 0}, "max_context_match"),
         ({"min_path_prob": 1.0}, "min_path_prob"),
-        ({"backend": "cuda"}, "backend"),
+        ({"preset": "vllm"}, "preset"),
+        ({"match_type": "DFS"}, "match_type"),
     ],
 )
 def test_config_validation_names_the_field(kwargs, field):
@@ -215,7 +214,7 @@ def test_sglang_defaults_and_make_drafter():
         DrafterConfig.sglang(capacity=3)
     with pytest.raises(ValueError):
         DrafterConfig.sglang(nonsense=1)
-    assert isinstance(make_drafter(DrafterConfig()), NgramDrafter)
-    # The default (auto) backend is the compiled one whenever numba is importable.
-    assert isinstance(make_drafter(DrafterConfig()), FastNgramDrafter)
-    assert type(make_drafter(DrafterConfig(backend="python"))) is NgramDrafter
+    assert type(make_drafter(DrafterConfig())) is NgramDrafter
+    assert type(make_drafter(cfg)).__name__ == "SGLangDrafter"
+    with pytest.raises(ValueError, match="'ngramspec' preset"):
+        NgramDrafter(cfg)

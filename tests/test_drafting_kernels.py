@@ -1,27 +1,26 @@
-"""The numba backend (spec/fast/) against the pure-Python reference: identical results."""
+"""The compiled drafter and its indexes against the pure-Python references (tests/oracles/):
+identical results."""
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracles.context import ReferenceContextIndex
+from oracles.drafter import ReferenceDrafter
+from oracles.trie import ReferenceTrie
 
 from ngramspec.drafting.config import DEFAULT_CAPACITY, DrafterConfig
-from ngramspec.drafting.factory import make_drafter
-from ngramspec.drafting.oracle.context import ContextIndex
-from ngramspec.drafting.oracle.drafter import NgramDrafter
-from ngramspec.drafting.kernels.context import FastContextIndex
-from ngramspec.drafting.drafter import FastNgramDrafter
-from ngramspec.drafting.index.trie import FastTrie
+from ngramspec.drafting.drafter import NgramDrafter
+from ngramspec.drafting.index.context import ContextIndex
 from ngramspec.drafting.index.sam import SuffixAutomaton
+from ngramspec.drafting.index.trie import NgramTrie
 from ngramspec.drafting.tree import DraftTree
-from ngramspec.drafting.oracle.trie import NgramTrie
 
 small_tokens = st.lists(st.integers(0, 5), min_size=1, max_size=20)
 
 
-def same_arrays(a: NgramTrie | FastTrie, b: NgramTrie | FastTrie) -> None:
+def same_arrays(a: ReferenceTrie | NgramTrie, b: ReferenceTrie | NgramTrie) -> None:
     meta_a, arrays_a = a.to_arrays()
     meta_b, arrays_b = b.to_arrays()
     assert meta_a == meta_b
@@ -39,7 +38,7 @@ def same_arrays(a: NgramTrie | FastTrie, b: NgramTrie | FastTrie) -> None:
        st.integers(1, 4))
 def test_trie_identical_after_every_step_with_eviction(streams, depth, extra, chunk):
     """Same nodes, counts, child order, LRU and anchors, step by step (capacity forces eviction)."""
-    ref, fast = NgramTrie(depth + extra, depth), FastTrie(depth + extra, depth)
+    ref, fast = ReferenceTrie(depth + extra, depth), NgramTrie(depth + extra, depth)
     states = [(ref.new_state(), fast.new_state()) for _ in streams]
     done = [0] * len(streams)
     while any(d < len(s) for d, s in zip(done, streams)):
@@ -61,7 +60,7 @@ def test_trie_identical_through_growth_and_eviction():
     stream: list[int] = []
     while len(stream) < 4000:
         stream.extend(phrases[int(rng.integers(0, 200))])
-    ref, fast = NgramTrie(10_000, 8), FastTrie(10_000, 8)
+    ref, fast = ReferenceTrie(10_000, 8), NgramTrie(10_000, 8)
     sr, sf = ref.new_state(), fast.new_state()
     for start in range(0, len(stream), 97):
         end = min(len(stream), start + 97)
@@ -75,11 +74,11 @@ def test_trie_identical_through_growth_and_eviction():
 @given(st.lists(small_tokens, min_size=1, max_size=3), st.integers(2, 5), st.integers(1, 20))
 def test_trie_arrays_load_across_backends(streams, depth, extra):
     """Either backend's to_arrays loads into the other and both continue identically."""
-    ref = NgramTrie(depth + extra, depth)
+    ref = ReferenceTrie(depth + extra, depth)
     for s in streams:
         ref.extend(ref.new_state(), s, 0)
-    fast = FastTrie.from_arrays(*ref.to_arrays())
-    back = NgramTrie.from_arrays(*fast.to_arrays())
+    fast = NgramTrie.from_arrays(*ref.to_arrays())
+    back = ReferenceTrie.from_arrays(*fast.to_arrays())
     same_arrays(ref, fast)
     tail = [1, 2, 3, 1, 2, 4, 5]
     for trie in (ref, fast, back):
@@ -90,7 +89,7 @@ def test_trie_arrays_load_across_backends(streams, depth, extra):
 
 def test_fast_trie_bytes_per_node():
     """Arrays make a node small: the default capacity stays far below 1 GiB."""
-    trie = FastTrie(DEFAULT_CAPACITY, 18)
+    trie = NgramTrie(DEFAULT_CAPACITY, 18)
     trie.reserve(DEFAULT_CAPACITY)  # fully grown: columns and tables at their final size
     per_node = trie.nbytes() / DEFAULT_CAPACITY
     assert per_node < 64
@@ -102,7 +101,7 @@ def test_fast_trie_bytes_per_node():
 
 def test_context_index_identical_through_growth():
     rng = np.random.default_rng(2)
-    ref, fast = ContextIndex(16, 64), FastContextIndex(16, 64)
+    ref, fast = ReferenceContextIndex(16, 64), ContextIndex(16, 64)
     for doc in ([1, 2, 3, 4], [5, 1, 2]):
         ref.add_document(doc)
         fast.add_document(doc)
@@ -117,13 +116,25 @@ def test_context_index_identical_through_growth():
 # ---------------------------------------------------------------------- drafter
 
 
+def automaton(docs: list[list[int]]) -> SuffixAutomaton:
+    sam = SuffixAutomaton()
+    for doc in docs:
+        sam.add_document(doc)
+    sam.finalize()
+    return sam
+
+
 class StubCorpora:
-    def __init__(self, docs: list[list[int]]) -> None:
-        sam = SuffixAutomaton()
-        for doc in docs:
-            sam.add_document(doc)
-        sam.finalize()
-        self.sams = {"c": sam}
+    """Named corpora; `rotate` drops the first and re-adds it under a new name (a new snapshot)."""
+
+    def __init__(self, *corpora: list[list[int]]) -> None:
+        self.sams = {f"c{i}": automaton(docs) for i, docs in enumerate(corpora)}
+        self.added = len(corpora)
+
+    def rotate(self) -> None:
+        first = next(iter(self.sams))
+        self.sams[f"z{self.added}"] = self.sams.pop(first)
+        self.added += 1
 
     def snapshot(self) -> dict[str, SuffixAutomaton]:
         return dict(self.sams)
@@ -149,13 +160,12 @@ def tree_key(tree) -> tuple:
 
 def run_lockstep(data, config: dict, corpora: StubCorpora | None, steps: int) -> None:
     """Random start/propose/commit/stop/reset sequences on both backends; trees must match."""
-    ref = make_drafter(DrafterConfig(backend="python", **config), corpora)
-    fast = make_drafter(DrafterConfig(backend="numba", **config), corpora)
-    assert type(ref) is NgramDrafter and isinstance(fast, FastNgramDrafter)
+    ref = ReferenceDrafter(DrafterConfig(**config), corpora)
+    fast = NgramDrafter(DrafterConfig(**config), corpora)
     live: dict[str, list[int]] = {}
     for step in range(steps):
         op = data.draw(st.sampled_from(["start", "step", "step", "step", "stop", "reset",
-                                        "flush", "reload"]))
+                                        "flush", "reload", "corpora"]))
         if op == "start" or not live:
             rid = f"r{step}"
             prompt = data.draw(small_tokens)
@@ -185,6 +195,9 @@ def run_lockstep(data, config: dict, corpora: StubCorpora | None, steps: int) ->
             for d in (ref, fast):
                 d.stop(rid)
             del live[rid]
+        elif op == "corpora":  # the corpus registry changed under live requests
+            if corpora is not None:
+                corpora.rotate()
         elif op == "flush":  # the server's flush: the trie forgets, requests keep going
             for d in (ref, fast):
                 d.trie.reset()
@@ -212,7 +225,9 @@ def test_drafters_identical_with_external_corpora(data, config, docs):
     run_lockstep(data, config, StubCorpora(docs), 15)
 
 
-def test_backend_field():
-    assert DrafterConfig().backend == "auto"
-    with pytest.raises(ValueError, match=r"DrafterConfig\.backend "):
-        DrafterConfig(backend="c++")
+@settings(max_examples=15, deadline=None)
+@given(st.data(), configs, st.lists(st.lists(small_tokens, min_size=1, max_size=3), min_size=2,
+                                    max_size=3))
+def test_drafters_identical_with_several_corpora(data, config, corpora):
+    """Several corpora read as one concatenated bank; snapshots change under live requests."""
+    run_lockstep(data, config, StubCorpora(*corpora), 15)

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ngramspec.drafting.config import DrafterConfig
-from ngramspec.drafting.oracle.drafter import NgramDrafter
+from ngramspec.drafting.drafter import NgramDrafter
 from ngramspec.drafting.index.sam import SEPARATOR, SuffixAutomaton
 from ngramspec.drafting.sources import CONTEXT, CORPUS, TRIE
 from ngramspec.drafting.tree import DraftTree

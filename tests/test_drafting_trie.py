@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracles.trie import ROOT, ReferenceTrie
 
 from ngramspec.drafting.config import DEFAULT_CAPACITY
-from ngramspec.drafting.index.trie import FastTrie
-from ngramspec.drafting.oracle.trie import ROOT, NgramTrie
+from ngramspec.drafting.index.trie import NgramTrie
 
 # Every test runs on the pure-Python reference and on the numba trie (same API, same results).
-backends = pytest.mark.parametrize("trie_cls", [NgramTrie, FastTrie], ids=["python", "numba"])
+backends = pytest.mark.parametrize("trie_cls", [ReferenceTrie, NgramTrie], ids=["python", "numba"])
 
 streams_strategy = st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=30), min_size=1,
                             max_size=3)
@@ -31,7 +31,7 @@ def naive_ngrams(streams: list[list[int]], max_depth: int) -> Counter:
     return counts
 
 
-def trie_ngrams(trie: NgramTrie | FastTrie) -> dict[tuple[int, ...], int]:
+def trie_ngrams(trie: ReferenceTrie | NgramTrie) -> dict[tuple[int, ...], int]:
     out = {}
     frontier = [(ROOT, ())]
     while frontier:
@@ -42,7 +42,7 @@ def trie_ngrams(trie: NgramTrie | FastTrie) -> dict[tuple[int, ...], int]:
     return out
 
 
-def feed_interleaved(trie: NgramTrie | FastTrie, streams: list[list[int]], chunk: int) -> None:
+def feed_interleaved(trie: ReferenceTrie | NgramTrie, streams: list[list[int]], chunk: int) -> None:
     """Commit each stream `chunk` tokens at a time, round-robin, like concurrent requests."""
     states = [trie.new_state() for _ in streams]
     done = [0] * len(streams)
@@ -87,7 +87,7 @@ def test_eviction_invariants(trie_cls, streams, max_depth, chunk, extra):
         frontier.extend(child for _, child, _ in trie.children(node))
 
 
-def brute_anchors(trie: NgramTrie | FastTrie, context: list[int]) -> list[tuple[int, int]]:
+def brute_anchors(trie: ReferenceTrie | NgramTrie, context: list[int]) -> list[tuple[int, int]]:
     out = []
     for k in range(min(trie.max_depth, len(context)), 0, -1):
         node = trie.lookup(context[len(context) - k :])

@@ -7,8 +7,15 @@ import random
 
 import pytest
 import torch
-from conftest import (GREEDY, NUM_THREADS, PROMPTS, GreedyRef, LogitsProbe, assert_same_tokens,
-                      top2_gap)
+from conftest import (
+    GREEDY,
+    NUM_THREADS,
+    PROMPTS,
+    GreedyRef,
+    LogitsProbe,
+    assert_same_tokens,
+    top2_gap,
+)
 
 from ngramspec import LLM, SamplingParams
 from ngramspec.engine.kv_cache import SlotAllocator

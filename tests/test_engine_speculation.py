@@ -3,18 +3,17 @@ sampled output keeps the exact target distribution (tiny random model, chi-squar
 
 from __future__ import annotations
 
-import itertools
 import json
 import random
 from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import first_difference, prefill_logits, top2_gap
+
 from ngramspec import LLM, SamplingParams
-from ngramspec.layers.sampler import apply_penalties, target_probs
 from ngramspec.drafting.tree import DraftTree
+from ngramspec.layers.sampler import apply_penalties, target_probs
 
 STREAMS = Path(__file__).resolve().parent.parent / "data" / "streams"
 FLAT_COST = [1.0] * 14  # verify cost independent of size: always draft the full tree

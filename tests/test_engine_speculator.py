@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from ngramspec.drafting.tree import DraftTree
 from ngramspec.engine.acceptance import AcceptanceCalibrator
 from ngramspec.engine.cost_model import VerifyCost
-from ngramspec.engine.speculator import (PER_TREE_OVERHEAD_S, TREE_STEP_OVERHEAD_S,
-                                         choose_draft_sizes)
-from ngramspec.drafting.tree import DraftTree
+from ngramspec.engine.speculator import (
+    PER_TREE_OVERHEAD_S,
+    TREE_STEP_OVERHEAD_S,
+    choose_draft_sizes,
+)
 
 
 def chain(probs: list[float]) -> DraftTree:
@@ -20,13 +24,13 @@ def brute_force_sizes(trees, base, cost):
     """Best prefix sizes by trying every combination (small cases only)."""
     import itertools
 
-    best, best_rate = None, -1.0
+    best_rate = -1.0
     for sizes in itertools.product(*[range(len(t)) for t in trees]):
         expected = len(trees) + sum(sum(t.probs[1 : k + 1]) for t, k in zip(trees, sizes))
         m = sum(sizes)
         rate = expected / (cost(base + m) + _overhead(sizes))
         if rate > best_rate + 1e-12:
-            best, best_rate = list(sizes), rate
+            best_rate = rate
     return best_rate
 
 

@@ -8,8 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (NUM_THREADS, PROMPTS, TOKENIZER_FILES, describe_mismatch, first_difference,
-                      prefill_logits, top2_gap)
+from conftest import (
+    NUM_THREADS,
+    PROMPTS,
+    TOKENIZER_FILES,
+    describe_mismatch,
+    first_difference,
+    prefill_logits,
+    top2_gap,
+)
 from transformers import GenerationConfig
 
 from ngramspec import LLM, SamplingParams

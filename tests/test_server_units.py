@@ -12,7 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ngramspec.server.protocol import (
-    ApiError, ChatCompletionRequest, CompletionRequest, parse_json, sampling_params, validate,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_json,
+    sampling_params,
+    validate,
 )
 from ngramspec.server.security import BodyLimitMiddleware, corpus_files, resolve_under
 from ngramspec.server.text import TextAssembler
@@ -229,8 +234,8 @@ def _fake_engine(**drafter_overrides):
 def test_learned_corpus_round_trip(tmp_path: Path) -> None:
     import numpy as np
 
-    from ngramspec.server import learned, state
     from ngramspec.corpus.ngc import CorruptFileError
+    from ngramspec.server import learned, state
 
     source = _fake_engine()
     source.speculator.drafter.start("r", [5, 6, 7, 5, 6, 8, 5, 6, 7])

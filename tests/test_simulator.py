@@ -9,10 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ngramspec.simulator.replay import (
-    Stream, is_looping, read_streams, replay, report, simulate,
-)
 from ngramspec.drafting.tree import DraftTree
+from ngramspec.simulator.replay import (
+    Stream,
+    is_looping,
+    read_streams,
+    replay,
+    report,
+    simulate,
+)
 
 
 class Requests:
@@ -238,7 +243,6 @@ def test_bad_stream_files_name_the_line(tmp_path):
 
 def test_summary_of_real_drafter_is_consistent():
     """Smoke test with the real drafter: every token is accounted for."""
-    pytest.importorskip("ngramspec.drafting.oracle.drafter")
     from ngramspec.drafting.config import DrafterConfig
     from ngramspec.drafting.factory import make_drafter
 

@@ -19,7 +19,12 @@ from tqdm import tqdm
 
 from ngramspec.corpus import ngc as persist
 from ngramspec.corpus.readers import (
-    CorpusError, SEPARATOR, Tokenizer, expand_paths, iter_documents, join_token_documents,
+    SEPARATOR,
+    CorpusError,
+    Tokenizer,
+    expand_paths,
+    iter_documents,
+    join_token_documents,
     tokenize_documents,
 )
 

@@ -8,13 +8,10 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from ngramspec.drafting.index.sam import SuffixAutomaton
 
-# Measured bytes per live trie node of drafting/oracle/trie.py (parallel Python lists, one global edge dict,
-# CPython 3.11; tests/test_drafting_trie.py::test_bytes_per_node_budget): about 270 B on chain-heavy
-# text, so 3M nodes stay near 0.8 GiB. The numba trie (drafting/index/trie.py) needs 47-53 B per node
-# fully grown (a 36 B record plus two id-only hash tables), i.e. 0.14 GiB at 3M and 0.79 GiB at
-# 16M; the default stays at 3M because it must also suit the Python backend. SGLang's C++ node is
-# 176 B and preallocated (10M nodes = 1.76 GB up front); ours grow on demand, so capacity is a
-# bound, not an up-front cost.
+# The trie (drafting/index/trie.py) needs 47-53 B per node fully grown (a 36 B record plus two
+# id-only hash tables), i.e. 0.14 GiB at 3M nodes and 0.79 GiB at 16M. SGLang's C++ node is 176 B
+# and preallocated (10M nodes = 1.76 GB up front); ours grow on demand, so capacity is a bound,
+# not an up-front cost.
 DEFAULT_CAPACITY = 3_000_000
 SGLANG_CAPACITY = 10_000_000
 
@@ -27,9 +24,6 @@ class CorpusSnapshot(Protocol):
 @dataclass(slots=True)
 class DrafterConfig:
     preset: str = "ngramspec"  # "ngramspec" (ours) | "sglang" (faithful SGLang NGRAM)
-    # ngramspec preset: "numba" (compiled, drafting/kernels/), "python" (the oracle) or "auto"
-    # (numba when importable). Both give identical trees.
-    backend: str = "auto"
     draft_token_num: int = 12  # tree size including the root (SGLang's d); drafts = d - 1
     # D: longest n-gram stored in the trie. SGLang uses 18; ours stops at 8 because the request's
     # own context index covers the long matches: on the 58 replay streams depths 6-18 give the same
@@ -57,8 +51,6 @@ class DrafterConfig:
     def __post_init__(self) -> None:
         _check(self.preset in ("ngramspec", "sglang"), "preset", "must be 'ngramspec' or 'sglang'")
         _check(self.match_type in ("BFS", "PROB"), "match_type", "must be 'BFS' or 'PROB'")
-        _check(self.backend in ("auto", "python", "numba"), "backend",
-               "must be 'auto', 'python' or 'numba'")
         _check(self.draft_token_num > 0, "draft_token_num", "must be > 0")
         _check(self.max_trie_depth > 1, "max_trie_depth", "must be > 1")
         _check(self.min_bfs_breadth > 0, "min_bfs_breadth", "must be > 0")
@@ -90,10 +82,10 @@ class DrafterConfig:
 
     @classmethod
     def sglang(cls, **overrides: object) -> DrafterConfig:
-        """SGLang's server defaults (§4.1): d=12, D=18, breadth 1..10, BFS, capacity 10M.
+        """SGLang's server defaults: d=12, D=18, breadth 1..10, BFS, capacity 10M.
 
         The 10M capacity is SGLang's; there it preallocates 1.76 GB. Our nodes are allocated on
-        demand and about 270 B each, so it is a bound, not an up-front cost.
+        demand, so it is a bound, not an up-front cost.
         """
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(overrides) - known)

@@ -13,23 +13,6 @@ def make_drafter(config: DrafterConfig, corpora: CorpusSnapshot | None = None) -
         from ngramspec.baselines.sglang.drafter import SGLangDrafter
 
         return SGLangDrafter(config, corpora)
-    if resolve_backend(config.backend) == "numba":
-        from ngramspec.drafting.drafter import FastNgramDrafter
-
-        return FastNgramDrafter(config, corpora)
-    from ngramspec.drafting.oracle.drafter import NgramDrafter
+    from ngramspec.drafting.drafter import NgramDrafter
 
     return NgramDrafter(config, corpora)
-
-
-def resolve_backend(backend: str) -> str:
-    """"python" or "numba" ("auto" = numba when importable); numba missing is an error."""
-    from ngramspec.drafting.kernels import numba_available
-
-    if backend == "python":
-        return "python"
-    if numba_available():
-        return "numba"
-    if backend == "numba":
-        raise ValueError("DrafterConfig.backend 'numba' needs numba installed")
-    return "python"

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from ngramspec.engine.model_runner import ForwardItem, ModelRunner
 from ngramspec.engine.kv_cache import SlotAllocator
+from ngramspec.engine.model_runner import ForwardItem, ModelRunner
 
 DEFAULT_POINTS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 

@@ -10,18 +10,22 @@ from dataclasses import dataclass, field
 import torch
 
 from ngramspec.config import EngineConfig
+from ngramspec.drafting.tree import DraftTree
 from ngramspec.engine.kv_cache import SlotAllocator
 from ngramspec.engine.model_runner import ForwardItem, ModelRunner
 from ngramspec.engine.scheduler import Schedule, ScheduledChunk, Scheduler
 from ngramspec.engine.sequence import Sequence
 from ngramspec.engine.stats import EngineStats
 from ngramspec.engine.stops import check_stop
-from ngramspec.layers.attention import KVCache
-from ngramspec.models.loader import (load_model_config, load_state_dict, load_tokenizer,
-                                     resolve_model_dir)
-from ngramspec.sampling_params import SamplingParams
-from ngramspec.drafting.tree import DraftTree
 from ngramspec.engine.verify import VerifyResult, verify_greedy, verify_sampled
+from ngramspec.layers.attention import KVCache
+from ngramspec.models.loader import (
+    load_model_config,
+    load_state_dict,
+    load_tokenizer,
+    resolve_model_dir,
+)
+from ngramspec.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ngramspec.config import EngineConfig
+from ngramspec.drafting.factory import make_drafter
+from ngramspec.drafting.tree import DraftTree
 from ngramspec.engine.acceptance import AcceptanceCalibrator, RequestAcceptance
 from ngramspec.engine.cost_model import VerifyCost, measure_cost
 from ngramspec.engine.scheduler import Schedule, ScheduledChunk
-from ngramspec.engine.throughput import ThroughputGuard
 from ngramspec.engine.sequence import Sequence
-from ngramspec.drafting.factory import make_drafter
-from ngramspec.drafting.tree import DraftTree
+from ngramspec.engine.throughput import ThroughputGuard
 from ngramspec.engine.verify import VerifyResult
 
 if TYPE_CHECKING:

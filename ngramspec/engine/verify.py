@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ngramspec.drafting.tree import DraftTree
 from ngramspec.layers.sampler import sample_token
 from ngramspec.sampling_params import SamplingParams
-from ngramspec.drafting.tree import DraftTree
 
 
 @dataclass(slots=True)

@@ -15,7 +15,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ngramspec.server.async_engine import EngineStopped, RequestStream, SpecStats, TokenEvent
 from ngramspec.server.protocol import (
-    ApiError, ChatCompletionRequest, CompletionRequest, bad_request, parse_json, sampling_params,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    parse_json,
+    sampling_params,
     validate,
 )
 from ngramspec.server.state import ServerState

@@ -16,7 +16,12 @@ from fastapi.responses import JSONResponse
 
 from ngramspec.server import learned
 from ngramspec.server.protocol import (
-    ApiError, CorpusAddRequest, StatePathRequest, bad_request, parse_json, validate,
+    ApiError,
+    CorpusAddRequest,
+    StatePathRequest,
+    bad_request,
+    parse_json,
+    validate,
 )
 from ngramspec.server.security import corpus_files, resolve_under
 from ngramspec.server.state import ServerState

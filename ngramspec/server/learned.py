@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from ngramspec.engine.engine import LLMEngine
 from ngramspec.corpus import ngc as persist
+from ngramspec.engine.engine import LLMEngine
 
 STATE_KIND = "trie"
 
@@ -30,7 +30,7 @@ def _drafter(engine: LLMEngine) -> Any:
 
 
 def _is_trie(trie: Any) -> bool:
-    # NgramTrie and the numba FastTrie share this persistence API.
+    # The persistence API of drafting/index/trie.py (the SGLang preset's trie has none).
     return all(hasattr(trie, name) for name in ("to_arrays", "from_arrays", "reset", "epoch"))
 
 

@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ngramspec.server.protocol import ApiError
 from ngramspec.corpus.readers import expand_paths
+from ngramspec.server.protocol import ApiError
 
 Scope = dict[str, Any]
 

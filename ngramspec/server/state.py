@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from ngramspec.config import EngineConfig
+from ngramspec.corpus.registry import ExternalCorpora
 from ngramspec.engine.engine import LLMEngine
 from ngramspec.server import learned
 from ngramspec.server.async_engine import AsyncEngine
 from ngramspec.server.metrics import ServerMetrics
-from ngramspec.corpus.registry import ExternalCorpora
 
 log = logging.getLogger("ngramspec.server")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"

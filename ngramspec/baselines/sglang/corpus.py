@@ -13,11 +13,16 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ngramspec.drafting.index.sam import SuffixAutomaton
 from ngramspec.baselines.sglang.build import (
-    ScratchTree, TreeResult, build_frequency, build_recency, combine, fill_result,
+    ScratchTree,
+    TreeResult,
+    build_frequency,
+    build_recency,
+    combine,
+    fill_result,
 )
 from ngramspec.baselines.sglang.trie import MatchState, SGLangTrie
+from ngramspec.drafting.index.sam import SuffixAutomaton
 from ngramspec.drafting.sources import CORPUS, TRIE
 
 

@@ -1,6 +1,6 @@
-"""FastTrie: the global n-gram trie of drafting/oracle/trie.py on numpy columns and numba kernels.
+"""NgramTrie: the global n-gram trie, on numpy columns and numba kernels (drafting/kernels/trie.py).
 
-Same semantics as `NgramTrie` (count-once O(D) insertion, children sorted by count with the same
+Same semantics as tests/oracles/trie.py `ReferenceTrie` (count-once O(D) insertion, children sorted by count with the same
 swap-on-increment tie-breaking, leaf-only LRU eviction that never touches the nodes a request is
 extending, never-stale anchors, identical `to_arrays()` format), so both give identical counts,
 child orders and evictions on identical inputs. A node costs 9 int32 columns (36 B) plus two
@@ -16,15 +16,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ngramspec.drafting.kernels import hashtab as ht
-from ngramspec.drafting.kernels import trie_bulk as tb
 from ngramspec.drafting.kernels import trie as tk
-from ngramspec.drafting.oracle.trie import check_trie_meta, trie_meta
+from ngramspec.drafting.kernels import trie_bulk as tb
+
+FORMAT_VERSION = 1  # of the persisted trie (to_arrays/from_arrays)
 
 _INITIAL_NODES = 1 << 12
 
 
 @dataclass(slots=True)
-class FastTrieState:
+class TrieState:
     """A request's suffix anchors: count, anchors[depth], versions[depth] in one int32 array."""
 
     arr: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int32))
@@ -37,7 +38,7 @@ def as_context(context: list[int] | np.ndarray) -> np.ndarray:
     return np.asarray(context, dtype=np.int32)
 
 
-class FastTrie:
+class NgramTrie:
     def __init__(self, capacity: int, max_depth: int) -> None:
         if max_depth < 1 or capacity <= max_depth:
             raise ValueError(f"trie capacity ({capacity}) must exceed max_depth ({max_depth})")
@@ -61,8 +62,8 @@ class FastTrie:
         self.epoch += 1
         self._clear(min(self.capacity, _INITIAL_NODES))
 
-    def new_state(self) -> FastTrieState:
-        return FastTrieState(np.zeros(1 + 2 * self.max_depth, np.int32))
+    def new_state(self) -> TrieState:
+        return TrieState(np.zeros(1 + 2 * self.max_depth, np.int32))
 
     @property
     def num_nodes(self) -> int:
@@ -102,18 +103,19 @@ class FastTrie:
         ctx = as_context(tokens)
         return int(tk.lookup(self.cols, self.edges, ctx, 0, len(ctx)))
 
-    def anchors(self, state: FastTrieState, context: list[int] | np.ndarray,
+    def anchors(self, state: TrieState, context: list[int] | np.ndarray,
                 length: int | None = None) -> list[tuple[int, int]]:
         """(node, length) for suffixes of context[:length] with >= 1 child, longest first."""
         ctx = as_context(context)
         n = len(ctx) if length is None else length
-        self._sync(state)
+        self.sync(state)
         tk.refresh(self.cols, self.edges, self.meta, state.arr, ctx, n)
         arr, first = state.arr, self.cols[:, tk.FIRST]
         return [(int(arr[1 + k]), k + 1) for k in range(int(arr[0]) - 1, -1, -1)
                 if arr[1 + k] >= 0 and first[arr[1 + k]] != -1]
 
-    def _sync(self, state: FastTrieState) -> None:
+    def sync(self, state: TrieState) -> None:
+        """Start `state` over (no suffixes held) if the trie was reset since it was made."""
         if state.epoch != self.epoch:
             if len(state.arr) != 1 + 2 * self.max_depth:
                 state.arr = np.zeros(1 + 2 * self.max_depth, np.int32)
@@ -121,13 +123,13 @@ class FastTrie:
 
     # ----------------------------------------------------------------- writes
 
-    def extend(self, state: FastTrieState, context: list[int] | np.ndarray, start: int,
+    def extend(self, state: TrieState, context: list[int] | np.ndarray, start: int,
                end: int | None = None) -> None:
-        """Count the n-grams ending at context[start:end] (see NgramTrie.extend)."""
+        """Count the n-grams ending at context[start:end] (see ReferenceTrie.extend)."""
         ctx = as_context(context)
         end = len(ctx) if end is None else end
         if state.epoch != self.epoch:
-            self._sync(state)
+            self.sync(state)
             if start > 0:
                 tk.refresh(self.cols, self.edges, self.meta, state.arr, ctx, start)
         self.reserve((end - start) * self.max_depth)
@@ -161,7 +163,7 @@ class FastTrie:
     # ----------------------------------------------------------------- persistence
 
     def to_arrays(self) -> tuple[dict, dict[str, np.ndarray]]:
-        """The same arrays and meta as NgramTrie.to_arrays (BFS order, leaf LRU)."""
+        """The same arrays and meta as ReferenceTrie.to_arrays (BFS order, leaf LRU)."""
         order, index, lru = tb.bfs_order(self.cols, self.meta)
         parents = self.cols[order, tk.PAR].astype(np.int64)
         parents[1:] = index[parents[1:]]
@@ -174,7 +176,7 @@ class FastTrie:
         return trie_meta(self.capacity, self.max_depth, len(order)), arrays
 
     @classmethod
-    def from_arrays(cls, meta: dict, arrays: dict[str, np.ndarray]) -> FastTrie:
+    def from_arrays(cls, meta: dict, arrays: dict[str, np.ndarray]) -> NgramTrie:
         check_trie_meta(meta, arrays)
         trie = cls(int(meta["capacity"]), int(meta["max_depth"]))
         num = len(arrays["token"])
@@ -188,3 +190,22 @@ class FastTrie:
             raise ValueError(f"trie arrays are invalid at entry {bad} (parents must come first, "
                              "children in count order, counts >= 1, lru entries live)")
         return trie
+
+
+def trie_meta(capacity: int, max_depth: int, num_nodes: int) -> dict:
+    """The persisted header (tests/oracles/trie.py writes the same, so files are interchangeable)."""
+    return {"format": "ngramspec.trie", "version": FORMAT_VERSION,
+            "capacity": capacity, "max_depth": max_depth, "num_nodes": num_nodes}
+
+
+def check_trie_meta(meta: dict, arrays: dict[str, np.ndarray]) -> None:
+    """Validation of a persisted trie before from_arrays builds it."""
+    if meta.get("version") != FORMAT_VERSION:
+        raise ValueError(f"unsupported trie version {meta.get('version')!r}")
+    num = len(arrays["token"])
+    if num > int(meta["capacity"]) or num != int(meta["num_nodes"]):
+        raise ValueError("trie arrays do not match meta (num_nodes/capacity)")
+    if not num or int(arrays["parent"][0]) != -1:
+        raise ValueError("trie arrays must start with the root")
+    if any(len(arrays[name]) != num for name in ("parent", "count")):
+        raise ValueError("trie arrays token/parent/count differ in length")

@@ -1,20 +1,13 @@
-"""Compiled (numba) fast path of the n-gram drafter.
+"""numba kernels of the n-gram drafter: the indexes' hot loops, the tree build and the commit.
 
-Every module here imports numba at import time, so nothing outside this package imports them
-unless the numba backend was asked for (`DrafterConfig.backend`). The pure-Python classes in
-spec/ stay the reference: the fast classes keep their APIs and produce identical results.
+drafting/index/ owns the arrays and drafting/drafter.py composes the kernels; the pure-Python
+references in tests/oracles/ give identical results (the lockstep property tests).
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 from pathlib import Path
-
-
-def numba_available() -> bool:
-    """True if numba can be imported (checked without importing it)."""
-    return importlib.util.find_spec("numba") is not None
 
 
 def drop_stale_kernel_cache(package_dir: Path = Path(__file__).parent) -> None:

@@ -1,13 +1,19 @@
-"""numba kernel of the drafter's best-first tree build (NgramDrafter._build).
+"""numba kernel of the drafter's best-first tree build over every source.
 
-`build` is NgramDrafter._build for the context and trie sources (no external corpora): the same
-cursors, the same merge of equal tokens (first-seen order, the higher estimate wins), the same
-heap keyed by (-path probability, push sequence) and the same evidence lists, so both backends
-give identical trees. Cursors and candidates live in preallocated scratch (`Scratch`):
-  cursor columns: SRC, A (trie node | pool start), B (pool length), OFF (context offset),
-                  LEN (matched length), NEXT (next cursor of the same candidate)
+The tree walk (tests/oracles/drafter.py is its slow reference): the context's anchors, then the
+trie's distinct-count anchors, then each external corpus's suffix-link anchors (corpora sorted by
+name) become root cursors; each expansion merges its cursors' continuations by token (first-seen
+order, the higher estimate wins) and pushes one candidate per token onto a heap keyed by
+(-path probability, push sequence), and every placed node keeps its evidence (source, matched
+length, raw estimate) for calibration. Cursors and candidates live in preallocated scratch
+(`Scratch`):
+  cursor columns: SRC, A (trie node | pool start | automaton state's first edge),
+                  B (pool length | the state's occurrences), OFF (context offset | the
+                  state's edge end), LEN (matched length), NEXT (next cursor of the same
+                  candidate)
   candidate columns: SLOT (parent node), TOK, SRC, HEAD, TAIL (its cursor list)
-Context cursors keep their end positions as segments of `pool`.
+Context cursors keep their end positions as segments of `pool`. `build` serves requests without
+external corpora; `build_with_corpora` adds the corpus bank (kernels/sam.py).
 """
 
 from __future__ import annotations
@@ -16,18 +22,20 @@ import numpy as np
 from numba import njit
 
 from ngramspec.drafting.calibration import BUCKET_EDGES, MAX_CONDITIONAL
-from ngramspec.drafting.kernels import context as cx
-from ngramspec.drafting.kernels import trie as tk
 from ngramspec.drafting.index.sam import SEPARATOR
-from ngramspec.drafting.sources import CONTEXT, TRIE
+from ngramspec.drafting.kernels import context as cx
+from ngramspec.drafting.kernels import sam as sk
+from ngramspec.drafting.kernels import trie as tk
+from ngramspec.drafting.sources import CONTEXT, CORPUS, TRIE
 
 C_SRC, C_A, C_B, C_OFF, C_LEN, C_NEXT = range(6)
 K_SLOT, K_TOK, K_SRC, K_HEAD, K_TAIL = range(5)
 # params: budget, top-k children per cursor, anchors per source, occurrences per context match,
 # then the config's fixed sizes (scratch cursors, pool, group columns; tree nodes and evidence
-# slots of a request) and the context's longest match and whether to calibrate.
+# slots of a request), the context's longest match, whether to calibrate and the corpora's
+# longest match.
 (P_BUDGET, P_LIMIT, P_ANCHORS, P_OCC, P_CURSORS, P_POOL, P_GROUPS, P_NODES, P_EVIDENCE,
- P_MAX_MATCH, P_CALIBRATE) = range(11)
+ P_MAX_MATCH, P_CALIBRATE, P_SAM_MATCH) = range(12)
 # counts (int64): next cursor, next candidate, heap size, pool used
 N_CUR, N_CAND, N_HEAP, N_POOL = range(4)
 # A request's int buffer starts with: where its tokens begin in its context array, and the
@@ -43,8 +51,9 @@ class Scratch:
     argument, which was a tenth of a whole request-step with one argument per array.
     """
 
-    def __init__(self, budget: int, limit: int, anchors: int, occurrences: int) -> None:
-        root = 2 * anchors + 1
+    def __init__(self, budget: int, limit: int, anchors: int, occurrences: int,
+                 num_corpora: int) -> None:
+        root = root_cursors(anchors, num_corpora)
         self.cursors = root * (1 + (budget + 1) * limit) + 16
         self.pool = anchors * occurrences * (budget + 2) + 16
         self.groups = occurrences + 1
@@ -52,15 +61,20 @@ class Scratch:
         self.floats = np.zeros(3 * self.cursors, np.float64)
 
 
-def tree_sizes(budget: int, anchors: int) -> tuple[int, int]:
+def root_cursors(anchors: int, num_corpora: int) -> int:
+    """An upper bound on a tree's root cursors: `anchors` per source and per corpus."""
+    return (2 + num_corpora) * anchors + 1
+
+
+def tree_sizes(budget: int, anchors: int, num_corpora: int) -> tuple[int, int]:
     """(nodes, evidence slots) of one tree: each node has at most one cursor per root anchor."""
     nodes = budget + 1
-    return nodes, nodes * (2 * anchors + 1)
+    return nodes, nodes * root_cursors(anchors, num_corpora)
 
 
-def request_sizes(budget: int, anchors: int) -> tuple[int, int]:
+def request_sizes(budget: int, anchors: int, num_corpora: int) -> tuple[int, int]:
     """(int, float) buffer lengths of one request's tree and evidence (see `request_views`)."""
-    nodes, evidence = tree_sizes(budget, anchors)
+    nodes, evidence = tree_sizes(budget, anchors, num_corpora)
     return R_HEAD + 3 * nodes + 2 * evidence + nodes + 1, nodes + evidence
 
 
@@ -167,7 +181,7 @@ def _new_cursor(cur: np.ndarray, counts: np.ndarray, src: int, a: int, b: int, o
 @njit(cache=True)
 def _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot, token, src, est, kid,
            raw) -> None:
-    """Merge a continuation into this expansion's candidates (NgramDrafter._push_children)."""
+    """Merge a continuation into this expansion's candidates (ReferenceDrafter._push_children)."""
     s_raw[kid] = raw
     for k in range(first_cand, counts[N_CAND]):
         if s_cand[K_TOK, k] == token:
@@ -229,8 +243,8 @@ def _split_ends(pool, start, num, groups, g, take, counts) -> None:
 
 
 @njit(cache=True)
-def _push_children(cols, tok, n_tok, factor, calibrate, params, s_cur, s_raw, s_cand, s_cand_f,
-                   heap, pool, groups, counts, slot, prob, head) -> None:
+def _push_children(cols, tok, n_tok, factor, calibrate, params, bank, s_cur, s_raw, s_cand,
+                   s_cand_f, heap, pool, groups, counts, slot, prob, head) -> None:
     limit = params[P_LIMIT]
     first_cand = counts[N_CAND]
     c = head
@@ -249,6 +263,18 @@ def _push_children(cols, tok, n_tok, factor, calibrate, params, s_cur, s_raw, s_
                        cols[child, tk.TOK], src, est, kid, raw)
                 child = cols[child, tk.NEXT]
                 taken += 1
+        elif src == CORPUS:
+            edges = bank[2]
+            # A corpus cursor carries its state's edge range and occurrences (kernels/sam.py).
+            lo, hi, total = s_cur[C_A, c], s_cur[C_OFF, c], s_cur[C_B, c]
+            for e in range(lo, min(hi, lo + limit)):
+                occ = edges[e, sk.E_OCC]
+                raw = occ / (total + 1)
+                est = _estimate(factor, calibrate, src, length, raw)
+                kid = _new_cursor(s_cur, counts, src, edges[e, sk.E_LO], occ,
+                                  edges[e, sk.E_HI], length + 1)
+                _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot,
+                       edges[e, sk.E_TOKEN], src, est, kid, raw)
         else:
             start, num, off = s_cur[C_A, c], s_cur[C_B, c], s_cur[C_OFF, c]
             g = _context_groups(tok, n_tok, pool, start, num, off, groups)
@@ -269,28 +295,32 @@ def _push_children(cols, tok, n_tok, factor, calibrate, params, s_cur, s_raw, s_
         _heap_push(heap, counts, s_cand_f, k)
 
 
+@njit(cache=True, inline="always")
+def _link(s_cur, head, tail, c) -> tuple:
+    """Append cursor c to the list head..tail; returns the new (head, tail)."""
+    if tail == -1:
+        return c, c
+    s_cur[C_NEXT, tail] = c
+    return head, c
+
+
 @njit(cache=True)
-def _root_cursors(cols, edges, tmeta, tstate, trie_start, tok, prev, cst, max_match, params,
-                  s_cur, pool, counts) -> int:
-    """Context anchors, then distinct-count trie anchors (NgramDrafter._root_cursors)."""
+def _root_cursors(cols, edges, tmeta, tstate, trie_start, tok, prev, cst, params, bank, s_cur,
+                  pool, counts) -> int:
+    """Context anchors, then distinct-count trie anchors, then each corpus's anchors."""
     k_max = params[P_ANCHORS]
     m = np.empty(k_max, np.int64)
     starts = np.empty(k_max, np.int64)
     nums = np.empty(k_max, np.int64)
-    found, used = cx.anchors(prev, cst, max_match, k_max, params[P_OCC], m, starts, nums, pool,
-                             0)
+    found, used = cx.anchors(prev, cst, params[P_MAX_MATCH], k_max, params[P_OCC], m, starts,
+                             nums, pool, 0)
     counts[N_POOL] = used
     head, tail = -1, -1
     for i in range(found):
         c = _new_cursor(s_cur, counts, CONTEXT, starts[i], nums[i], 0, m[i])
-        if tail == -1:
-            head = c
-        else:
-            s_cur[C_NEXT, tail] = c
-        tail = c
+        head, tail = _link(s_cur, head, tail, c)
     n = cst[cx.NUM]
     tk.refresh(cols, edges, tmeta, tstate, tok[trie_start:], n - trie_start)
-    depth = tmeta[tk.DEPTH]
     last_count, num_trie = -1, 0
     for k in range(tstate[0] - 1, -1, -1):
         node = tstate[1 + k]
@@ -300,25 +330,33 @@ def _root_cursors(cols, edges, tmeta, tstate, trie_start, tok, prev, cst, max_ma
         if count != last_count and num_trie < k_max:
             # A shorter suffix with an equal count has the same occurrences: skip it.
             c = _new_cursor(s_cur, counts, TRIE, node, 0, 0, k + 1)
-            if tail == -1:
-                head = c
-            else:
-                s_cur[C_NEXT, tail] = c
-            tail = c
+            head, tail = _link(s_cur, head, tail, c)
             last_count, num_trie = count, num_trie + 1
+    states, trans, roots, match = bank[0], bank[1], bank[3], bank[4]
+    if roots.shape[0] == 0:
+        return head
+    sk.catch_up(states, trans, roots, match, tok, trie_start, n, params[P_SAM_MATCH])
+    for k in range(roots.shape[0]):
+        # Suffix-link climb from the match: states with >= 1 continuation, longest first.
+        state, length, taken = match[k, sk.M_STATE], match[k, sk.M_LEN], 0
+        while state > roots[k] and taken < k_max:
+            lo, hi = states[state, sk.S_EDGE], states[state + 1, sk.S_EDGE]
+            if hi > lo:
+                c = _new_cursor(s_cur, counts, CORPUS, lo, states[state, sk.S_OCC], hi,
+                                min(length, states[state, sk.S_LEN]))
+                head, tail = _link(s_cur, head, tail, c)
+                taken += 1
+            state = states[state, sk.S_LINK]
     return head
 
 
 @njit(cache=True)
-def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, min_path_prob, s_ints,
-          s_floats, r_ints, r_floats, stats) -> int:
-    """Fill the request's tree and evidence (`request_views`); returns the node count, which is
-    also left in r_ints[R_PENDING] for the commit that follows."""
+def _build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, min_path_prob, s_ints,
+           s_floats, r_ints, r_floats, stats, bank) -> int:
     s_cur, s_raw, s_cand, s_cand_f, heap, pool, groups, counts = _scratch_views(
         s_ints, s_floats, params)
     out_i, ev_i, ev_off, out_p, ev_raw = request_views(r_ints, r_floats, params)
     factor = cal[3]  # calibration factors [source, bucket]
-    trie_start, max_match = r_ints[R_TRIE_START], params[P_MAX_MATCH]
     calibrate = params[P_CALIBRATE] != 0
     n_tok = cst[cx.NUM]
     counts[:] = 0
@@ -328,10 +366,10 @@ def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, min_path_prob
     r_ints[R_PENDING] = 1
     if budget <= 0:
         return 1
-    head = _root_cursors(cols, edges, tmeta, tstate, trie_start, tok, prev, cst, max_match,
-                         params, s_cur, pool, counts)
-    _push_children(cols, tok, n_tok, factor, calibrate, params, s_cur, s_raw, s_cand, s_cand_f,
-                   heap, pool, groups, counts, 0, 1.0, head)
+    head = _root_cursors(cols, edges, tmeta, tstate, r_ints[R_TRIE_START], tok, prev, cst,
+                         params, bank, s_cur, pool, counts)
+    _push_children(cols, tok, n_tok, factor, calibrate, params, bank, s_cur, s_raw, s_cand,
+                   s_cand_f, heap, pool, groups, counts, 0, 1.0, head)
     n, e = 1, 0
     while counts[N_HEAP] > 0 and n <= budget:
         k = _heap_pop(heap, counts, s_cand_f)
@@ -350,7 +388,31 @@ def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, min_path_prob
         n += 1
         ev_off[n] = e
         if n <= budget:  # children of the last node could never be placed
-            _push_children(cols, tok, n_tok, factor, calibrate, params, s_cur, s_raw, s_cand,
-                           s_cand_f, heap, pool, groups, counts, n - 1, prob, s_cand[K_HEAD, k])
+            _push_children(cols, tok, n_tok, factor, calibrate, params, bank, s_cur, s_raw,
+                           s_cand, s_cand_f, heap, pool, groups, counts, n - 1, prob,
+                           s_cand[K_HEAD, k])
     r_ints[R_PENDING] = n
     return n
+
+
+@njit(cache=True)
+def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, min_path_prob, s_ints,
+          s_floats, r_ints, r_floats, stats) -> int:
+    """Fill the request's tree and evidence (`request_views`) from its context and the trie;
+    returns the node count, which is also left in r_ints[R_PENDING] for the commit that
+    follows."""
+    table = np.empty((0, 4), np.int32)
+    bank = (table, np.empty((0, 2), np.int32), table, np.empty(0, np.int64),
+            np.empty((0, 3), np.int64))
+    return _build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, min_path_prob,
+                  s_ints, s_floats, r_ints, r_floats, stats, bank)
+
+
+@njit(cache=True)
+def build_with_corpora(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, min_path_prob,
+                       s_ints, s_floats, r_ints, r_floats, stats, states, trans, corpus_edges,
+                       roots, match) -> int:
+    """`build` with external corpora: a CorpusBank's tables and the request's match rows."""
+    bank = (states, trans, corpus_edges, roots, match)
+    return _build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, min_path_prob,
+                  s_ints, s_floats, r_ints, r_floats, stats, bank)

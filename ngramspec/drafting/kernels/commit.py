@@ -1,4 +1,4 @@
-"""numba kernels of FastNgramDrafter.commit: calibration update, then indexing and counting."""
+"""numba kernels of NgramDrafter.commit: calibration update, then indexing and counting."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from ngramspec.drafting.sources import NUM_SOURCES
 
 @njit(cache=True)
 def learn(out_i, n, ev_i, ev_raw, ev_off, accepted_tokens, cal, calibrate_prior, stats) -> None:
-    """NgramDrafter._learn: calibrate on every node the verifier judged (parent accepted).
+    """Calibrate on every node the verifier judged (its parent accepted); tests/oracles/drafter.py
+    `_learn` is the reference.
 
     cal (float64 [4, NUM_SOURCES, buckets]): raw sums, acceptances, trials, factors;
     calibrate_prior: (prior mass, prior weight).
@@ -48,7 +49,7 @@ def learn(out_i, n, ev_i, ev_raw, ev_off, accepted_tokens, cal, calibrate_prior,
 @njit(cache=True)
 def commit(r_ints, r_floats, params, new, cal, prior, stats, tok, prev, hashes, keys, lens, vals,
            st, cols, edges, runs, meta, tstate) -> int:
-    """FastNgramDrafter.commit in one call: learn, index the tokens, count their n-grams."""
+    """NgramDrafter.commit in one call: learn, index the tokens, count their n-grams."""
     pending = r_ints[R_PENDING]
     if pending:
         out_i, ev_i, ev_off, _, ev_raw = request_views(r_ints, r_floats, params)

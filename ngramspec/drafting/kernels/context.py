@@ -1,10 +1,10 @@
-"""FastContextIndex: drafting/oracle/context.py on numpy arrays and numba kernels.
+"""numba kernels of the per-request context index (drafting/index/context.py owns the arrays).
 
 Per request: `tok` (tokens), `hashes` (the hashes of the windows ending at the last token, the
-same wrapping polynomial hash as ContextIndex), one open-addressing table (window hash, length)
--> latest end position, and `prev[pos * max_match + m - 1]`, the previous end position of the
+same wrapping polynomial hash as tests/oracles/context.py), one open-addressing table
+(window hash, length) -> latest end position, and `prev[pos * max_match + m - 1]`, the previous end position of the
 m-window ending at pos. The chain from the newest token lists the earlier occurrences of each
-suffix newest first, which is what `ContextIndex.anchors` returns (oldest first).
+suffix newest first, which is what the reference's `anchors` returns (oldest first).
 `st` (int64): number of tokens, number of live hashes, table entries, then the occurrence count
 of each suffix (so anchors need not walk chains to count).
 """
@@ -14,9 +14,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ngramspec.drafting.oracle.context import HASH_BASE
-from ngramspec.drafting.kernels import hashtab as ht
 from ngramspec.drafting.index.sam import SEPARATOR
+from ngramspec.drafting.kernels import hashtab as ht
+
+HASH_BASE = 0x100000001B3  # odd, so multiplication is a bijection mod 2**64
 
 NUM, NUM_HASHES, ENTRIES, SUFFIX_COUNTS = range(4)  # st[SUFFIX_COUNTS + m - 1]: m-suffix count
 
@@ -78,7 +79,7 @@ def rehash(keys: np.ndarray, lens: np.ndarray, vals: np.ndarray, new_keys: np.nd
 def anchors(prev: np.ndarray, st: np.ndarray, max_match: int, max_anchors: int,
             max_occurrences: int, out_len: np.ndarray, out_start: np.ndarray,
             out_num: np.ndarray, pool: np.ndarray, pool_used: int) -> tuple:
-    """ContextIndex.anchors: (m, earlier ends oldest first) written as pool segments.
+    """ReferenceContextIndex.anchors: (m, earlier ends oldest first) written as pool segments.
 
     Returns (number of anchors, pool entries used after them).
     """
@@ -100,88 +101,3 @@ def anchors(prev: np.ndarray, st: np.ndarray, max_match: int, max_anchors: int,
         if k == max_anchors or count >= max_occurrences:
             break
     return k, pool_used
-
-
-class FastContextIndex:
-    def __init__(self, max_match: int, max_occurrences: int) -> None:
-        if max_match < 1 or max_occurrences < 1:
-            raise ValueError("max_match and max_occurrences must be >= 1")
-        if max_match > 127:
-            raise ValueError("the fast index stores window lengths as int8: max_match <= 127")
-        self.max_match = max_match
-        self.max_occurrences = max_occurrences
-        self.st = np.zeros(SUFFIX_COUNTS + max_match, np.int64)
-        self.hashes = np.zeros(max_match, np.uint64)
-        self.tok = np.zeros(256, np.int32)
-        self.prev = np.zeros(256 * max_match, np.int32)
-        size = ht.table_size(1024)
-        self.keys = np.zeros(size, np.uint64)
-        self.lens = np.zeros(size, np.int8)
-        self.vals = np.zeros((size, 2), np.int32)
-        # Python-side mirrors for the growth checks of `reserve` (numpy scalar reads are slow).
-        self._num = 0
-        self._entries_bound = 0  # >= table entries: every token adds at most max_match
-
-    def __len__(self) -> int:
-        return int(self.st[NUM])
-
-    @property
-    def tokens(self) -> np.ndarray:
-        """A view of the tokens so far (valid until the next extend)."""
-        return self.tok[: self.st[NUM]]
-
-    def add_document(self, tokens: list[int]) -> None:
-        self.extend(tokens)
-        self.extend([SEPARATOR])
-
-    def extend(self, tokens: list[int] | np.ndarray) -> None:
-        new = np.asarray(tokens, dtype=np.int32)
-        self.reserve(len(new))
-        append(self.tok, self.prev, self.hashes, self.keys, self.lens, self.vals, self.st, new)
-
-    def reserve(self, count: int) -> None:
-        """Room for `count` more tokens; the caller then appends exactly `count` tokens."""
-        self._num += count
-        if self._num > len(self.tok):
-            size = max(self._num, 2 * len(self.tok))
-            self.tok = _grown(self.tok, size)
-            self.prev = _grown(self.prev, size * self.max_match)
-        self._entries_bound += count * self.max_match
-        if self._entries_bound * 4 <= len(self.keys) * 3:
-            return
-        self._entries_bound = int(self.st[ENTRIES]) + count * self.max_match
-        if self._entries_bound * 4 > len(self.keys) * 3:
-            size = ht.table_size(2 * self._entries_bound)
-            keys, lens = np.zeros(size, np.uint64), np.zeros(size, np.int8)
-            vals = np.zeros((size, 2), np.int32)
-            rehash(self.keys, self.lens, self.vals, keys, lens, vals)
-            self.keys, self.lens, self.vals = keys, lens, vals
-
-    def anchors(self, max_anchors: int) -> list[tuple[int, list[int]]]:
-        """Same result as ContextIndex.anchors."""
-        k = max(1, max_anchors)
-        lens, starts, nums = (np.zeros(k, np.int64) for _ in range(3))
-        pool = np.zeros(k * self.max_occurrences, np.int64)
-        found, _ = anchors(self.prev, self.st, self.max_match, max_anchors,
-                           self.max_occurrences, lens, starts, nums, pool, 0)
-        return [(int(lens[i]), pool[starts[i]: starts[i] + nums[i]].tolist())
-                for i in range(found)]
-
-    def continuations(self, ends: list[int], offset: int) -> dict[int, list[int]]:
-        """Same result as ContextIndex.continuations."""
-        tokens = self.tokens
-        n = len(tokens)
-        groups: dict[int, list[int]] = {}
-        for end in ends:
-            at = end + offset + 1
-            if at < n:
-                token = int(tokens[at])
-                if token != SEPARATOR:
-                    groups.setdefault(token, []).append(end)
-        return groups
-
-
-def _grown(a: np.ndarray, size: int) -> np.ndarray:
-    out = np.zeros(size, a.dtype)
-    out[: len(a)] = a
-    return out

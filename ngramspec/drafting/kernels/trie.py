@@ -11,7 +11,7 @@ Two id-only hash tables (fast/hashtab.py): `edges` keyed (PAR, TOK) holding ever
 a sibling (an only child is found through its parent's FIRST, so chains, most of a deep trie,
 cost no hashing), and `runs` keyed (PAR, CNT),
 the latter holding the first child of each run of two or more equal-count siblings. The run head
-is what `NgramTrie._bubble_up` finds by bisection: an incremented child swaps with it (same
+is what `ReferenceTrie._bubble_up` finds by bisection: an incremented child swaps with it (same
 tie-breaking).
 `meta` (int64): NUM, LRU_HEAD, LRU_TAIL, EVICTED, CAPACITY, DEPTH.
 A request state (int32 [1 + 2 * depth]): count, anchors[depth], versions[depth].
@@ -150,7 +150,7 @@ def _same_after(cols: np.ndarray, n: int, c: int) -> bool:
 
 @njit(cache=True)
 def _increment(cols: np.ndarray, runs: np.ndarray, child: int) -> None:
-    """count += 1, then swap with the head of the old count's run (NgramTrie._bubble_up).
+    """count += 1, then swap with the head of the old count's run (ReferenceTrie._bubble_up).
 
     `runs` holds the heads of runs of two or more equal-count siblings only, so the common
     case (a child alone with its count, e.g. on a chain) needs no hashing at all.
@@ -312,7 +312,7 @@ def run_length(ctx: np.ndarray, n: int, cap: int) -> int:
 @njit(cache=True)
 def refresh(cols: np.ndarray, edges: np.ndarray, meta: np.ndarray, state: np.ndarray,
             ctx: np.ndarray, n: int) -> None:
-    """Re-probe the stale or missing suffix anchors of ctx[:n] (NgramTrie._refresh)."""
+    """Re-probe the stale or missing suffix anchors of ctx[:n] (ReferenceTrie._refresh)."""
     depth = meta[DEPTH]
     limit = run_length(ctx, n, depth)
     if state[0] > limit:
@@ -332,7 +332,7 @@ def refresh(cols: np.ndarray, edges: np.ndarray, meta: np.ndarray, state: np.nda
 @njit(cache=True)
 def extend(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, meta: np.ndarray,
            state: np.ndarray, ctx: np.ndarray, start: int, end: int) -> int:
-    """Count the n-grams ending at ctx[start:end] (NgramTrie._advance per token); 0 or -2."""
+    """Count the n-grams ending at ctx[start:end] (ReferenceTrie._advance per token); 0 or -2."""
     depth = meta[DEPTH]
     old = np.empty(depth, np.int32)
     new = np.empty(depth, np.int32)

@@ -7,10 +7,22 @@ from numba import njit
 
 from ngramspec.drafting.kernels import hashtab as ht
 from ngramspec.drafting.kernels.trie import (
-    CNT, FIRST, LNEXT, LRU_HEAD, NEXT, NUM, PAR, PREV, ROOT, TOK, VER, _append_child, _lru_append,
-    _same_after, _same_before,
+    CNT,
+    FIRST,
+    LNEXT,
+    LRU_HEAD,
+    NEXT,
+    NUM,
+    PAR,
+    PREV,
+    ROOT,
+    TOK,
+    VER,
+    _append_child,
+    _lru_append,
+    _same_after,
+    _same_before,
 )
-
 
 
 @njit(cache=True)

@@ -20,12 +20,12 @@ from __future__ import annotations
 from array import array
 
 from ngramspec.drafting.index.sam import SEPARATOR
+from ngramspec.drafting.kernels.context import HASH_BASE
 
 HASH_MASK = (1 << 64) - 1
-HASH_BASE = 0x100000001B3  # odd, so multiplication is a bijection mod 2**64
 
 
-class ContextIndex:
+class ReferenceContextIndex:
     def __init__(self, max_match: int, max_occurrences: int) -> None:
         if max_match < 1 or max_occurrences < 1:
             raise ValueError("max_match and max_occurrences must be >= 1")

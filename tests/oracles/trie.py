@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ngramspec.drafting.index.sam import SEPARATOR
+from ngramspec.drafting.index.trie import check_trie_meta, trie_meta
 
 ROOT = 0
 _SPAN = 2**31  # edge key = parent * _SPAN + token (tokens are int32 >= 0; separators never stored)
-FORMAT_VERSION = 1
 
 
 @dataclass(slots=True)
-class TrieState:
+class ReferenceTrieState:
     """A request's suffix anchors: anchors[k-1] is the node of its last k tokens."""
 
     anchors: list[int] = field(default_factory=list)
@@ -36,7 +36,7 @@ class TrieState:
     epoch: int = -1
 
 
-class NgramTrie:
+class ReferenceTrie:
     def __init__(self, capacity: int, max_depth: int) -> None:
         if max_depth < 1 or capacity <= max_depth:
             raise ValueError(f"trie capacity ({capacity}) must exceed max_depth ({max_depth})")
@@ -67,8 +67,8 @@ class NgramTrie:
         self.epoch += 1
         self._clear()
 
-    def new_state(self) -> TrieState:
-        return TrieState()
+    def new_state(self) -> ReferenceTrieState:
+        return ReferenceTrieState()
 
     @property
     def num_nodes(self) -> int:
@@ -108,7 +108,7 @@ class NgramTrie:
                 return -1
         return node
 
-    def anchors(self, state: TrieState, context: list[int]) -> list[tuple[int, int]]:
+    def anchors(self, state: ReferenceTrieState, context: list[int]) -> list[tuple[int, int]]:
         """(node, length) for suffixes of `context` present with >= 1 child, longest first.
 
         Never stale: evicted anchors and lengths missing from the state (capacity pressure)
@@ -122,7 +122,7 @@ class NgramTrie:
             if node >= 0 and kids[node] is not None
         ]
 
-    def _refresh(self, state: TrieState, context: list[int]) -> None:
+    def _refresh(self, state: ReferenceTrieState, context: list[int]) -> None:
         if state.epoch != self.epoch:
             state.anchors, state.versions, state.epoch = [], [], self.epoch
         limit = _run_length(context, self.max_depth)
@@ -142,7 +142,7 @@ class NgramTrie:
 
     # ----------------------------------------------------------------- writes
 
-    def extend(self, state: TrieState, context: list[int], start: int) -> None:
+    def extend(self, state: ReferenceTrieState, context: list[int], start: int) -> None:
         """Count the n-grams ending at context[start:], the tokens just appended.
 
         `state` must describe the suffixes ending at context[start - 1] (as left by the
@@ -155,7 +155,7 @@ class NgramTrie:
         for pos in range(start, len(context)):
             self._advance(state, context, pos)
 
-    def _advance(self, state: TrieState, context: list[int], pos: int) -> None:
+    def _advance(self, state: ReferenceTrieState, context: list[int], pos: int) -> None:
         token = context[pos]
         if token == SEPARATOR:  # n-grams never span documents
             state.anchors, state.versions = [], []
@@ -278,7 +278,7 @@ class NgramTrie:
         return trie_meta(self.capacity, self.max_depth, len(order)), arrays
 
     @classmethod
-    def from_arrays(cls, meta: dict, arrays: dict[str, np.ndarray]) -> NgramTrie:
+    def from_arrays(cls, meta: dict, arrays: dict[str, np.ndarray]) -> ReferenceTrie:
         check_trie_meta(meta, arrays)
         trie = cls(int(meta["capacity"]), int(meta["max_depth"]))
         tokens, parents = arrays["token"].tolist(), arrays["parent"].tolist()
@@ -304,25 +304,6 @@ class NgramTrie:
         self._edges[parent * _SPAN + token] = node
         self._pos.append(len(self._kids[parent]))
         self._kids[parent].append(node)
-
-
-def trie_meta(capacity: int, max_depth: int, num_nodes: int) -> dict:
-    """The persisted header both trie backends write (their files are interchangeable)."""
-    return {"format": "ngramspec.trie", "version": FORMAT_VERSION,
-            "capacity": capacity, "max_depth": max_depth, "num_nodes": num_nodes}
-
-
-def check_trie_meta(meta: dict, arrays: dict[str, np.ndarray]) -> None:
-    """Validation shared by both trie backends' from_arrays."""
-    if meta.get("version") != FORMAT_VERSION:
-        raise ValueError(f"unsupported trie version {meta.get('version')!r}")
-    num = len(arrays["token"])
-    if num > int(meta["capacity"]) or num != int(meta["num_nodes"]):
-        raise ValueError("trie arrays do not match meta (num_nodes/capacity)")
-    if not num or int(arrays["parent"][0]) != -1:
-        raise ValueError("trie arrays must start with the root")
-    if any(len(arrays[name]) != num for name in ("parent", "count")):
-        raise ValueError("trie arrays token/parent/count differ in length")
 
 
 def _run_length(context: list[int], cap: int) -> int:

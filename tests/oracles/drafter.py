@@ -1,4 +1,6 @@
-"""NgramDrafter: one best-first draft tree over every n-gram source.
+"""ReferenceDrafter: the pure-Python oracle of drafting/drafter.py (NgramDrafter), tree for tree.
+
+One best-first draft tree over every n-gram source.
 
 Sources (drafting/sources.py): the request's own context (references, prompt, output), the global
 trie learned across requests, and every external corpus. Each source turns a matched suffix into
@@ -19,13 +21,13 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from ngramspec.drafting.calibration import AcceptanceCalibrator
 from ngramspec.drafting.config import CorpusSnapshot, DrafterConfig
-from ngramspec.drafting.oracle.context import ContextIndex
 from ngramspec.drafting.index.sam import SuffixAutomaton
 from ngramspec.drafting.sources import CONTEXT, CORPUS, NUM_SOURCES, SOURCE_NAMES, TRIE
 from ngramspec.drafting.tree import DraftTree
-from ngramspec.drafting.oracle.trie import NgramTrie, TrieState
+from oracles.calibration import ReferenceCalibrator
+from oracles.context import ReferenceContextIndex
+from oracles.trie import ReferenceTrie, ReferenceTrieState
 
 # A cursor: (source, handle, matched length). Handles: CONTEXT -> (index, end positions, offset),
 # TRIE -> node id, CORPUS -> (automaton, state).
@@ -45,18 +47,18 @@ class _SamMatch:
 @dataclass(slots=True)
 class _Request:
     tokens: list[int]  # prompt + committed output
-    context: ContextIndex
-    trie_state: TrieState
+    context: ReferenceContextIndex
+    trie_state: ReferenceTrieState
     sam_matches: dict[str, _SamMatch] = field(default_factory=dict)
     pending: tuple[DraftTree, list[list[Evidence]]] | None = None
 
 
-class NgramDrafter:
+class ReferenceDrafter:
     def __init__(self, config: DrafterConfig, corpora: CorpusSnapshot | None = None) -> None:
         self.config = config
         self.corpora = corpora
-        self.trie = NgramTrie(config.capacity, config.max_trie_depth)
-        self.calibrator = AcceptanceCalibrator(config.calibrate, config.calibration_prior_weight)
+        self.trie = ReferenceTrie(config.capacity, config.max_trie_depth)
+        self.calibrator = ReferenceCalibrator(config.calibrate, config.calibration_prior_weight)
         self._requests: dict[str, _Request] = {}
         self._reset_counters()
 
@@ -77,12 +79,12 @@ class NgramDrafter:
     ) -> None:
         self._check_start(request_id, prompt_ids)
         cfg = self.config
-        context = ContextIndex(cfg.max_context_match, cfg.max_context_occurrences)
+        context = ReferenceContextIndex(cfg.max_context_match, cfg.max_context_occurrences)
         for doc in references or ():
             context.add_document(list(doc))
         tokens = list(prompt_ids)
         context.extend(tokens)
-        state = TrieState()
+        state = ReferenceTrieState()
         if cfg.insert_prompt:
             self.trie.extend(state, tokens, 0)
         self._requests[request_id] = _Request(tokens, context, state)

@@ -1,0 +1,107 @@
+"""ContextIndex: the per-request index over its own tokens (references, prompt, output).
+
+For every window length m <= max_match it finds the earlier occurrences of the suffix that ends
+at the newest token, so a request can copy from its own prompt from the first decode step. The
+arrays live here and the numba kernels (drafting/kernels/context.py) read and grow them in place:
+`tok` (tokens), `hashes` (the hashes of the windows ending at the last token), one
+open-addressing table (window hash, length) -> (latest end, occurrences), and `prev`, the chain
+of earlier ends per window. `anchors()` lists matched suffix lengths longest first with their
+earlier ends oldest first; windows never contain a separator, so matches stay inside one
+document. tests/oracles/context.py is the dict-based reference.
+
+NOTE: windows are compared by a polynomial hash mod 2**64; a collision (~5e-20 per pair; windows
+are at most max_match tokens) would only cost a rejected draft, never a wrong output.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ngramspec.drafting.index.sam import SEPARATOR
+from ngramspec.drafting.kernels import context as cx
+from ngramspec.drafting.kernels import hashtab as ht
+
+
+class ContextIndex:
+    def __init__(self, max_match: int, max_occurrences: int) -> None:
+        if max_match < 1 or max_occurrences < 1:
+            raise ValueError("max_match and max_occurrences must be >= 1")
+        if max_match > 127:
+            raise ValueError("the fast index stores window lengths as int8: max_match <= 127")
+        self.max_match = max_match
+        self.max_occurrences = max_occurrences
+        self.st = np.zeros(cx.SUFFIX_COUNTS + max_match, np.int64)
+        self.hashes = np.zeros(max_match, np.uint64)
+        self.tok = np.zeros(256, np.int32)
+        self.prev = np.zeros(256 * max_match, np.int32)
+        size = ht.table_size(1024)
+        self.keys = np.zeros(size, np.uint64)
+        self.lens = np.zeros(size, np.int8)
+        self.vals = np.zeros((size, 2), np.int32)
+        # Python-side mirrors for the growth checks of `reserve` (numpy scalar reads are slow).
+        self._num = 0
+        self._entries_bound = 0  # >= table entries: every token adds at most max_match
+
+    def __len__(self) -> int:
+        return int(self.st[cx.NUM])
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """A view of the tokens so far (valid until the next extend)."""
+        return self.tok[: self.st[cx.NUM]]
+
+    def add_document(self, tokens: list[int]) -> None:
+        self.extend(tokens)
+        self.extend([SEPARATOR])
+
+    def extend(self, tokens: list[int] | np.ndarray) -> None:
+        new = np.asarray(tokens, dtype=np.int32)
+        self.reserve(len(new))
+        cx.append(self.tok, self.prev, self.hashes, self.keys, self.lens, self.vals, self.st, new)
+
+    def reserve(self, count: int) -> None:
+        """Room for `count` more tokens; the caller then appends exactly `count` tokens."""
+        self._num += count
+        if self._num > len(self.tok):
+            size = max(self._num, 2 * len(self.tok))
+            self.tok = _grown(self.tok, size)
+            self.prev = _grown(self.prev, size * self.max_match)
+        self._entries_bound += count * self.max_match
+        if self._entries_bound * 4 <= len(self.keys) * 3:
+            return
+        self._entries_bound = int(self.st[cx.ENTRIES]) + count * self.max_match
+        if self._entries_bound * 4 > len(self.keys) * 3:
+            size = ht.table_size(2 * self._entries_bound)
+            keys, lens = np.zeros(size, np.uint64), np.zeros(size, np.int8)
+            vals = np.zeros((size, 2), np.int32)
+            cx.rehash(self.keys, self.lens, self.vals, keys, lens, vals)
+            self.keys, self.lens, self.vals = keys, lens, vals
+
+    def anchors(self, max_anchors: int) -> list[tuple[int, list[int]]]:
+        """Same result as ContextIndex.anchors."""
+        k = max(1, max_anchors)
+        lens, starts, nums = (np.zeros(k, np.int64) for _ in range(3))
+        pool = np.zeros(k * self.max_occurrences, np.int64)
+        found, _ = cx.anchors(self.prev, self.st, self.max_match, max_anchors,
+                           self.max_occurrences, lens, starts, nums, pool, 0)
+        return [(int(lens[i]), pool[starts[i]: starts[i] + nums[i]].tolist())
+                for i in range(found)]
+
+    def continuations(self, ends: list[int], offset: int) -> dict[int, list[int]]:
+        """Same result as ContextIndex.continuations."""
+        tokens = self.tokens
+        n = len(tokens)
+        groups: dict[int, list[int]] = {}
+        for end in ends:
+            at = end + offset + 1
+            if at < n:
+                token = int(tokens[at])
+                if token != SEPARATOR:
+                    groups.setdefault(token, []).append(end)
+        return groups
+
+
+def _grown(a: np.ndarray, size: int) -> np.ndarray:
+    out = np.zeros(size, a.dtype)
+    out[: len(a)] = a
+    return out

@@ -1,1 +1,0 @@
-"""Pure-Python reference drafter (the oracle the compiled one is tested against)."""
