@@ -20,8 +20,7 @@ from ngramspec.drafting.config import DrafterConfig
 from ngramspec.drafting.factory import make_drafter
 
 DEST_PREFIX = "drafter_"
-CHOICES = {"preset": ["ngramspec", "sglang"], "match_type": ["BFS", "PROB"]}
-# SGLang server flags (sglang_ngram.md §4.1) and their historical names, as aliases.
+# SGLang server flags (docs/reference/sglang_ngram.md §4.1) and their historical names, as aliases.
 SGLANG_ALIASES = {
     "draft_token_num": ["--speculative-num-draft-tokens"],
     "max_trie_depth": ["--speculative-ngram-max-trie-depth",
@@ -37,6 +36,8 @@ SGLANG_ALIASES = {
 
 def _arg_type(hint: Any) -> Any:
     """The scalar type argparse should parse for a field hint (`X | None` -> X)."""
+    if typing.get_origin(hint) is typing.Literal:
+        return hint
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if args else hint
 
@@ -47,15 +48,16 @@ def add_drafter_args(parser: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(DrafterConfig)
     for f in fields(DrafterConfig):
         kind = _arg_type(hints[f.name])
+        choices = list(typing.get_args(kind)) if typing.get_origin(kind) is typing.Literal else None
         names = [f"--{f.name.replace('_', '-')}", *SGLANG_ALIASES.get(f.name, [])]
         kw: dict[str, Any] = {"dest": DEST_PREFIX + f.name, "default": None,
                               "help": f"(default: {f.default})"}
         if kind is bool:
             kw["action"] = argparse.BooleanOptionalAction
         else:
-            kw["type"] = str.upper if f.name == "match_type" else kind
-            kw["metavar"] = f.name.upper() if f.name not in CHOICES else None
-            kw["choices"] = CHOICES.get(f.name)
+            kw["type"] = (str.upper if f.name == "match_type" else str) if choices else kind
+            kw["metavar"] = None if choices else f.name.upper()
+            kw["choices"] = choices
         group.add_argument(*names, **kw)
 
 

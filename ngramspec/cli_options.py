@@ -26,6 +26,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--verify-cost", type=_verify_cost, default=None, metavar="flat|C1,C2,...",
                    help="forward cost vs query tokens (1, 2, 4, 8, 12, 16, ...) relative to one "
                         "token; 'flat' always drafts full trees; default: measured at start")
+    g.add_argument("--draft-sizing", choices=["auto", "cost", "full"], default="auto",
+                   help="verify the prefix of each tree that pays for its cost, or the full tree "
+                        "(auto: full for the sglang preset)")
     g.add_argument("--speculative-algorithm", dest="speculative", type=str.lower,
                    choices=["ngram", "none"], help=argparse.SUPPRESS)  # SGLang spelling
     add_drafter_args(parser)
@@ -54,7 +57,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), num_threads=args.threads,
                 speculative=spec, drafter=drafter_config_from_args(args),
-                verify_cost=args.verify_cost)
+                verify_cost=args.verify_cost, draft_sizing=args.draft_sizing)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -23,11 +23,14 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     kv_cache_bytes: int = 1 << 30  # memory budget for K/V; sets the number of slots
     num_threads: int | None = None  # CPU threads for torch; None leaves torch's default
-    speculative: str | None = None  # None | "ngram"
+    speculative: Literal["ngram"] | None = None
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     # Speculation pays only when expected accepted tokens beat the extra verify cost; this
     # per-token cost curve (relative to one token) lets the budget follow it. None = measure.
     verify_cost: list[float] | None = None
+    # How much of each drafted tree is verified: "cost" keeps the prefix that pays for its verify
+    # cost, "full" the whole tree (as SGLang does); "auto" = "full" for the sglang preset.
+    draft_sizing: Literal["auto", "cost", "full"] = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
@@ -42,8 +45,17 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.device={self.device!r}: use auto, cpu or cuda[:N]")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"EngineConfig.device={self.device!r} but CUDA is not available")
+        if self.draft_sizing not in ("auto", "cost", "full"):
+            raise ValueError(f"EngineConfig.draft_sizing={self.draft_sizing!r}: use auto, cost or full")
         if self.max_num_batched_tokens < self.drafter.draft_token_num:
             raise ValueError("max_num_batched_tokens must hold at least one draft tree")
+
+    @property
+    def sizes_drafts(self) -> bool:
+        """Whether speculation trims each tree to the prefix that pays for its verify cost."""
+        if self.draft_sizing == "auto":
+            return self.drafter.preset != "sglang"
+        return self.draft_sizing == "cost"
 
     @property
     def torch_device(self) -> torch.device:

@@ -10,6 +10,7 @@ from typing import Any
 from tqdm import tqdm
 
 from ngramspec.config import EngineConfig
+from ngramspec.drafting.protocol import Drafter
 from ngramspec.engine.engine import LLMEngine
 from ngramspec.outputs import RequestOutput, build_output
 from ngramspec.sampling_params import SamplingParams
@@ -20,10 +21,12 @@ Message = dict[str, str]
 
 class LLM:
     def __init__(self, model: str | None = None, record_streams: str | None = None,
-                 **options: Any) -> None:
+                 drafter: Drafter | None = None, **options: Any) -> None:
+        """`drafter`: any object with the Drafter protocol, used instead of the configured one
+        (needs speculative="ngram")."""
         self.config = EngineConfig.from_kwargs(model=model, **options)
         self.record_streams = record_streams
-        self.engine = LLMEngine(self.config)
+        self.engine = LLMEngine(self.config, drafter=drafter)
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 

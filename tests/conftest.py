@@ -224,19 +224,13 @@ def prefill_logits(engine: LLMEngine, token_ids: list[int],
     """Logits at every position of `token_ids`, computed by our runner in chunks of `chunk` tokens
     (each chunk attends to the cached K/V of the previous ones). Leaves the allocator as it was."""
     chunk = chunk or len(token_ids)
-    slots: list[int] = []
     rows = []
-    try:
+    with engine.scheduler.scratch_slots(len(token_ids)) as slots:
         for start in range(0, len(token_ids), chunk):
-            ids = token_ids[start : start + chunk]
-            new = engine.allocator.allocate(len(ids))
-            assert new is not None, "KV cache too small for the prompt"
-            item = ForwardItem(ids, list(range(start, start + len(ids))), list(slots), new, None,
-                               list(range(len(ids))))
+            end = min(start + chunk, len(token_ids))
+            item = ForwardItem(token_ids[start:end], list(range(start, end)), slots[:start],
+                               slots[start:end], None, list(range(end - start)))
             rows.append(engine.runner.run([item]))
-            slots += new
-    finally:
-        engine.allocator.free(slots)
     return torch.cat(rows)
 
 

@@ -112,24 +112,20 @@ class OracleDrafter:
         self.done.clear()
 
 
-def _with_oracle(spec_llm, prompts, futures_params):
-    engine = spec_llm.engine
-    saved = engine.speculator.drafter, engine.speculator.adaptive
-    futures, seqs = {}, []
-    for i, (prompt, (future, params)) in enumerate(zip(prompts, futures_params)):
-        futures[f"oracle-{i}"] = future
-    engine.speculator.drafter, engine.speculator.adaptive = OracleDrafter(futures), False
-    try:
-        for i, (prompt, (_, params)) in enumerate(zip(prompts, futures_params)):
-            seqs.append(engine.add_request(f"oracle-{i}", prompt, params))
-        while engine.has_unfinished():
-            engine.step()
-    finally:
-        engine.speculator.drafter, engine.speculator.adaptive = saved
+def _with_oracle(prompts, futures_params):
+    """Run `prompts` on an engine whose injected drafter knows each request's future."""
+    futures = {f"oracle-{i}": future for i, (future, _) in enumerate(futures_params)}
+    engine = LLM(num_threads=2, speculative="ngram", draft_sizing="full",
+                 drafter=OracleDrafter(futures)).engine
+    seqs = [engine.add_request(f"oracle-{i}", prompt, params)
+            for i, (prompt, (_, params)) in enumerate(zip(prompts, futures_params))]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.allocator.num_free == engine.allocator.num_usable
     return seqs
 
 
-def test_stops_inside_an_accepted_run(llm, spec_llm, prompt_ids):
+def test_stops_inside_an_accepted_run(llm, prompt_ids):
     """max_tokens, a stop token id, a stop string and EOS land inside long accepted runs."""
     base = SamplingParams(temperature=0, max_tokens=40)
     prompt = prompt_ids[0]  # ends with EOS after a short answer
@@ -147,7 +143,7 @@ def test_stops_inside_an_accepted_run(llm, spec_llm, prompt_ids):
     ]
     plain = [llm.generate(p, sp)[0] for p, sp in cases]
     future = [(full.token_ids + [5] * 20, cases[0][1])] + [(long_full, sp) for _, sp in cases[1:]]
-    seqs = _with_oracle(spec_llm, [p for p, _ in cases], future)
+    seqs = _with_oracle([p for p, _ in cases], future)
     for seq, ref in zip(seqs, plain):
         assert seq.output_ids == ref.token_ids
         assert seq.finish_reason == ref.finish_reason
@@ -155,7 +151,6 @@ def test_stops_inside_an_accepted_run(llm, spec_llm, prompt_ids):
         text = llm.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
         if seq.stop_text_len is not None:
             assert text[: seq.stop_text_len] == ref.text
-    assert spec_llm.engine.allocator.num_free == spec_llm.engine.allocator.num_usable
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -226,10 +221,9 @@ def _chi_square_p(counts: dict, expected: dict[tuple, float], n: int) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(stat / 2.0)))
 
 
-@pytest.fixture(scope="module")
-def tiny_spec_llm(tiny_model_dirs):
-    return LLM(model=str(tiny_model_dirs["llama"]), num_threads=2, speculative="ngram",
-               verify_cost=FLAT_COST, max_num_seqs=256, max_num_batched_tokens=4096)
+def _tiny_llm(tiny_model_dirs, **options) -> LLM:
+    return LLM(model=str(tiny_model_dirs["llama"]), num_threads=2, max_num_seqs=256,
+               max_num_batched_tokens=4096, **options)
 
 
 def _sample(llm, prompt, params, n, seed0):
@@ -246,16 +240,15 @@ def _fields(params: SamplingParams) -> dict:
     return {k: getattr(params, k) for k in params.__slots__}
 
 
-def test_sampling_with_speculation_keeps_the_target_distribution(tiny_spec_llm):
-    llm = tiny_spec_llm
-    engine = llm.engine
+def test_sampling_with_speculation_keeps_the_target_distribution(tiny_model_dirs):
     prompt = [5, 17, 42, 99, 7, 3]
     params = SamplingParams(temperature=0.9, top_k=6, top_p=0.95, presence_penalty=0.7,
                             max_tokens=3, ignore_eos=True)
-    exact = _exact_joint(engine, prompt, params)
+    exact = _exact_joint(_tiny_llm(tiny_model_dirs).engine, prompt, params)
     support = sorted({t for key in exact for t in key})
-    engine.speculator.drafter = RandomTreeDrafter(support + [0, 1])
-    engine.speculator.adaptive = False
+    llm = _tiny_llm(tiny_model_dirs, speculative="ngram", draft_sizing="full",
+                    drafter=RandomTreeDrafter(support + [0, 1]))
+    engine = llm.engine
     n = 2400
     spec_counts = _sample(llm, prompt, params, n, seed0=10_000)
     assert engine.stats.num_accepted_tokens > 50, "forced drafts were never accepted"

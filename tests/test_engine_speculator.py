@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ngramspec.drafting.tree import DraftTree
-from ngramspec.engine.acceptance import AcceptanceCalibrator
+from ngramspec.engine.acceptance import PathProbCalibrator
 from ngramspec.engine.cost_model import VerifyCost
 from ngramspec.engine.speculator import (
     PER_TREE_OVERHEAD_S,
@@ -68,7 +68,7 @@ def test_no_drafts_when_verify_is_expensive():
 
 
 def test_calibrator_learns_and_keeps_trees_best_first():
-    cal = AcceptanceCalibrator()
+    cal = PathProbCalibrator()
     tree = chain([0.55, 0.5, 0.45, 0.2])
     before = cal.correct(chain(list(tree.probs[1:])).probs)
     assert all(a >= b for a, b in zip(before, before[1:])), "corrected probs must not increase"

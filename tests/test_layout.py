@@ -87,3 +87,22 @@ def test_package_has_no_import_cycles() -> None:
         edges[name] = {m for m in edges[name] if not name.startswith(m + ".")}
     cycle = find_cycle(edges)
     assert cycle is None, " -> ".join(cycle)
+
+
+def allocator_calls(path: Path) -> list[str]:
+    """`x.allocate(...)` / `x.free(...)` calls on anything named or ending in `allocator`."""
+    calls = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("allocate", "free")):
+            owner = ast.unparse(node.func.value)
+            if owner == "allocator" or owner.endswith(".allocator"):
+                calls.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {owner}.{node.func.attr}")
+    return calls
+
+
+def test_only_the_scheduler_allocates_or_frees_kv_slots() -> None:
+    owner = ROOT / "engine" / "scheduler.py"
+    assert allocator_calls(owner), "the scanner found no calls in the owner: it cannot work"
+    outside = [c for p in sorted(ROOT.rglob("*.py")) if p != owner for c in allocator_calls(p)]
+    assert outside == []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
     from ngramspec.drafting.index.sam import SuffixAutomaton
@@ -23,7 +23,7 @@ class CorpusSnapshot(Protocol):
 
 @dataclass(slots=True)
 class DrafterConfig:
-    preset: str = "ngramspec"  # "ngramspec" (ours) | "sglang" (faithful SGLang NGRAM)
+    preset: Literal["ngramspec", "sglang"] = "ngramspec"  # "ngramspec" (ours) | "sglang" (faithful SGLang NGRAM)
     draft_token_num: int = 12  # tree size including the root (SGLang's d); drafts = d - 1
     # D: longest n-gram stored in the trie. SGLang uses 18; ours stops at 8 because the request's
     # own context index covers the long matches: on the 58 replay streams depths 6-18 give the same
@@ -32,7 +32,7 @@ class DrafterConfig:
     max_trie_depth: int = 8
     min_bfs_breadth: int = 1
     max_bfs_breadth: int = 10  # also the top-k children read per node by our drafter
-    match_type: str = "BFS"  # "BFS" | "PROB" (sglang preset only)
+    match_type: Literal["BFS", "PROB"] = "BFS"  # "BFS" | "PROB" (sglang preset only)
     capacity: int = DEFAULT_CAPACITY  # trie nodes
     external_sam_budget: int = 0  # sglang preset: draft nodes reserved for external SAMs
     external_corpus_max_tokens: int = 10_000_000

@@ -161,8 +161,7 @@ class NgramDrafter:
         if snapshot is layout.snapshot:  # the registry publishes a new mapping on every change
             return layout
         sams = dict(sorted(snapshot.items()))
-        key = tuple((name, id(sam)) for name, sam in sams.items())
-        if key != layout.key:
+        if _key(sams) != layout.key:
             layout = self._layout = self._new_layout(sams)
         layout.snapshot = snapshot
         return layout
@@ -175,8 +174,7 @@ class NgramDrafter:
         ints, floats = bk.request_sizes(cfg.num_draft_tokens, cfg.max_anchors_per_source,
                                         num_corpora)
         bank = CorpusBank(list(sams.values())) if sams else None
-        key = tuple((name, id(sam)) for name, sam in sams.items())
-        return _Layout(bank, key, list(sams.values()), scratch, ints, floats, {})
+        return _Layout(bank, _key(sams), list(sams.values()), scratch, ints, floats, {})
 
     def _params(self, layout: _Layout, budget: int) -> np.ndarray:
         """The kernels' parameter array for `budget` under `layout` (cached there)."""
@@ -242,6 +240,11 @@ class NgramDrafter:
             "trie_evicted": self.trie.num_evicted,
             "num_requests": len(self._requests),
         }
+
+
+def _key(sams: dict[str, SuffixAutomaton]) -> tuple:
+    """A snapshot's identity: its (name, automaton object) pairs."""
+    return tuple((name, id(sam)) for name, sam in sams.items())
 
 
 def _matches(layout: _Layout) -> np.ndarray:

@@ -14,7 +14,9 @@ PRIOR_MASS = 5.0  # predicted probability mass behind each bucket's prior
 MAX_PROB = 0.99
 
 
-class AcceptanceCalibrator:
+class PathProbCalibrator:
+    """Global correction of a tree's raw path probabilities, by 0.1-wide bucket."""
+
     def __init__(self) -> None:
         self.predicted = [PRIOR_MASS] * len(PRIOR_RATIO)
         self.accepted = [PRIOR_MASS * r for r in PRIOR_RATIO]

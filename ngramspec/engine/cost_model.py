@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from ngramspec.engine.kv_cache import SlotAllocator
 from ngramspec.engine.model_runner import ForwardItem, ModelRunner
+from ngramspec.engine.scheduler import Scheduler
 
 DEFAULT_POINTS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -43,17 +43,14 @@ class VerifyCost:
         return cls(list(points[: len(relative)]), list(relative))
 
 
-def time_forward(runner: ModelRunner, allocator: SlotAllocator, batch: int, tokens_per_seq: int,
+def time_forward(runner: ModelRunner, scheduler: Scheduler, batch: int, tokens_per_seq: int,
                  context: int = 256, repeats: int = 3) -> float:
     """Best-of-`repeats` seconds for one forward of `batch` sequences x `tokens_per_seq` queries."""
-    need = batch * (context + tokens_per_seq)
-    slots = allocator.allocate(need)
-    if slots is None:
-        raise ValueError("not enough free KV slots to time a forward pass")
-    try:
+    per_seq = context + tokens_per_seq
+    with scheduler.scratch_slots(batch * per_seq) as slots:
         items = []
         for b in range(batch):
-            mine = slots[b * (context + tokens_per_seq) : (b + 1) * (context + tokens_per_seq)]
+            mine = slots[b * per_seq : (b + 1) * per_seq]
             n = tokens_per_seq
             items.append(ForwardItem([7] * n, list(range(context, context + n)), mine[:context],
                                      mine[context:], None, list(range(n))))
@@ -67,20 +64,18 @@ def time_forward(runner: ModelRunner, allocator: SlotAllocator, batch: int, toke
                 torch.cuda.synchronize()
             best = min(best, time.perf_counter() - t0)
         return best
-    finally:
-        allocator.free(slots)
 
 
-def measure_cost(runner: ModelRunner, allocator: SlotAllocator, max_model_len: int,
+def measure_cost(runner: ModelRunner, scheduler: Scheduler, max_model_len: int,
                  points: tuple[int, ...] = DEFAULT_POINTS, max_tokens: int = 128) -> VerifyCost:
     """Time one forward per point; long prompts are the scheduler's business, so stop at 128."""
     context = min(256, max_model_len // 2)
     pts = [p for p in points if p <= max_tokens and context + p <= max_model_len]
-    return VerifyCost(pts, [time_forward(runner, allocator, 1, p, context, repeats=2) for p in pts])
+    return VerifyCost(pts, [time_forward(runner, scheduler, 1, p, context, repeats=2) for p in pts])
 
 
 def measure_verify_cost(llm, batch_sizes=(1, 16), num_tokens=(1, 2, 4, 8, 16, 32)) -> dict:
     """Forward ms for `n` query tokens per sequence at each batch size (for `bench speed --json`)."""
     eng = llm.engine
-    return {f"b{b}": {str(n): 1000 * time_forward(eng.runner, eng.allocator, b, n)
+    return {f"b{b}": {str(n): 1000 * time_forward(eng.runner, eng.scheduler, b, n)
                       for n in num_tokens} for b in batch_sizes}

@@ -1,4 +1,9 @@
-"""LLMEngine: add requests, then step() until done. One step = schedule -> draft -> run -> verify -> commit."""
+"""LLMEngine: add requests, then step() until done.
+
+One step: schedule -> propose -> reserve -> run -> verify -> commit -> observe. The scheduler
+owns every KV slot (it allocates, commits, trims and frees them); the speculator drafts and
+learns; the runner computes logits; this class sequences the stages and keeps the timings.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +15,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ngramspec.config import EngineConfig
+from ngramspec.drafting.config import CorpusSnapshot
+from ngramspec.drafting.protocol import Drafter
 from ngramspec.drafting.tree import DraftTree
 from ngramspec.engine.kv_cache import SlotAllocator
 from ngramspec.engine.model_runner import ForwardItem, ModelRunner
 from ngramspec.engine.scheduler import Schedule, ScheduledChunk, Scheduler
 from ngramspec.engine.sequence import Sequence
+from ngramspec.engine.speculator import Speculator
 from ngramspec.engine.stats import EngineStats
 from ngramspec.engine.stops import check_stop
 from ngramspec.engine.verify import VerifyResult, verify_greedy, verify_sampled
@@ -35,8 +43,10 @@ class StepOutput:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, corpora=None) -> None:
-        """`corpora`: an ExternalCorpora the drafter reads (speculative="ngram" only)."""
+    def __init__(self, config: EngineConfig, corpora: CorpusSnapshot | None = None,
+                 drafter: Drafter | None = None) -> None:
+        """`corpora`: external corpora the n-gram drafter reads (ignored without speculation);
+        `drafter`: use this drafter instead of the one config.drafter describes."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -50,19 +60,13 @@ class LLMEngine:
         num_slots = max(2, config.kv_cache_bytes // per_slot)
         self.runner = ModelRunner(self.model_cfg, load_state_dict(model_dir), num_slots,
                                   self.max_model_len, dtype, device)
-        self.allocator = SlotAllocator(num_slots)
+        self.scheduler = Scheduler(num_slots, config.max_num_seqs, config.max_num_batched_tokens)
         # A sequence longer than the whole cache could never be rescheduled (it would wait forever),
         # so it must end with "length" before it gets there.
         self.max_model_len = min(self.max_model_len, self.allocator.num_usable)
-        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = self._eos_ids()
         self.stats = EngineStats()
-        self.speculator = None
-        if config.speculative == "ngram":
-            from ngramspec.engine.speculator import Speculator
-
-            self.speculator = Speculator(config, self.runner, self.allocator, self.max_model_len,
-                                         corpora)
+        self.speculator = self._make_speculator(config, corpora, drafter)
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         # The model, tokenizer and drafter leave ~400k long-lived Python objects; a full cyclic
@@ -70,6 +74,29 @@ class LLMEngine:
         # them out of the collector (as vLLM does after start-up); later garbage is still collected.
         gc.collect()
         gc.freeze()
+
+    @property
+    def allocator(self) -> SlotAllocator:
+        """The KV slot counts (num_free, num_usable); only the scheduler allocates and frees."""
+        return self.scheduler.allocator
+
+    def _make_speculator(self, config: EngineConfig, corpora: CorpusSnapshot | None,
+                         drafter: Drafter | None) -> Speculator | None:
+        if config.speculative != "ngram":
+            if drafter is not None:
+                raise ValueError("a drafter was given but speculation is off; "
+                                 "set speculative='ngram'")
+            return None
+        from ngramspec.drafting.factory import make_drafter
+        from ngramspec.engine.cost_model import VerifyCost, measure_cost
+
+        cost = None
+        if config.sizes_drafts:
+            cost = (VerifyCost.from_relative(config.verify_cost) if config.verify_cost is not None
+                    else measure_cost(self.runner, self.scheduler, self.max_model_len,
+                                      max_tokens=min(128, config.max_num_batched_tokens)))
+        return Speculator(config.drafter, drafter or make_drafter(config.drafter, corpora), cost,
+                          learn_step_times=config.verify_cost is None)
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model_cfg.eos_token_ids)
@@ -126,7 +153,7 @@ class LLMEngine:
         if not schedule:
             return []
         try:
-            trees = self._draft(schedule)
+            trees = self._propose(schedule)
             t1 = time.perf_counter()
             items = [self._forward_item(c, trees.get(c.seq.seq_id)) for c in schedule.chunks]
             logits = self.runner.run(items)  # [rows, vocab]
@@ -137,25 +164,25 @@ class LLMEngine:
         outputs = self._postprocess(schedule, trees, logits)
         if self.speculator is not None:
             self.speculator.after_step(schedule, time.perf_counter() - t0)
-        self.stats.num_steps += 1
-        self.stats.draft_time += t1 - t0
-        self.stats.forward_time += t2 - t1
-        self.stats.step_time += time.perf_counter() - t0
+        self.stats.add_step(t1 - t0, t2 - t1, time.perf_counter() - t0)
         return outputs
+
+    def _propose(self, schedule: Schedule) -> dict[int, DraftTree]:
+        """Draft trees for this step's decodes, each with its slots reserved (or dropped)."""
+        if self.speculator is None:
+            return {}
+        by_seq = {c.seq.seq_id: c for c in schedule.decodes}
+        reserve = self.scheduler.reserve_tree
+        return {seq_id: tree for seq_id, tree in self.speculator.propose(schedule).items()
+                if not tree.num_drafts or reserve(by_seq[seq_id], tree.num_drafts)}
 
     def _fail(self, schedule: Schedule) -> None:
         """A step that failed before committing: free its slots, end its requests, keep serving."""
         for chunk in schedule.chunks:
-            self.allocator.free(chunk.slots)
-            chunk.slots = []
+            self.scheduler.release(chunk)
             if not chunk.seq.is_finished:
                 chunk.seq.finish_reason = "error"
                 self._finish(chunk.seq)
-
-    def _draft(self, schedule: Schedule) -> dict[int, DraftTree]:
-        if self.speculator is None:
-            return {}
-        return self.speculator.propose(schedule)
 
     def _forward_item(self, chunk: ScheduledChunk, tree: DraftTree | None) -> ForwardItem:
         seq, start = chunk.seq, chunk.start
@@ -169,27 +196,29 @@ class LLMEngine:
 
     def _postprocess(self, schedule: Schedule, trees: dict[int, DraftTree],
                      logits: torch.Tensor) -> list[StepOutput]:
+        """Verify, commit and observe every chunk that yields a token; commit the others."""
         sampling = [c for c in schedule.chunks if c.samples]
         greedy_targets = self._greedy_targets(sampling, logits)
         outputs, row = [], 0
         for chunk in schedule.chunks:
             seq = chunk.seq
             if not chunk.samples:
-                seq.slots += chunk.slots
+                self.scheduler.commit(chunk)
                 continue
             tree = trees.get(seq.seq_id) or DraftTree.root_only(seq.token_ids[-1])
             n = len(tree)
             try:
                 result = self._verify(seq, tree, logits[row : row + n], greedy_targets, row)
             except RuntimeError:  # e.g. non-finite logits: end this request, not the engine
-                row += n
-                self.allocator.free(chunk.slots)
+                result = None
+            row += n
+            if result is None:
+                self.scheduler.release(chunk)
                 seq.finish_reason = "error"
                 self._finish(seq)
                 outputs.append(StepOutput(seq))
                 continue
-            row += n
-            self._commit_slots(chunk, tree, result)
+            self.scheduler.commit(chunk, [0] + result.accepted_nodes if tree.num_drafts else None)
             outputs.append(self._append(seq, tree, result))
         return outputs
 
@@ -207,22 +236,8 @@ class LLMEngine:
         prompt = seq.token_ids[: seq.num_prompt_tokens]
         return verify_sampled(tree, logits, seq.params, prompt, seq.output_ids, seq.generator)
 
-    def _commit_slots(self, chunk: ScheduledChunk, tree: DraftTree, result: VerifyResult) -> None:
-        """Accepted nodes' K/V become the sequence's next positions; rejected slots are freed.
-
-        Slots are token-granular, so committing is a slot-table rewrite: accepted node i at depth
-        k was written at position start + k, exactly where it now belongs.
-        """
-        seq = chunk.seq
-        if tree.num_drafts == 0:
-            seq.slots += chunk.slots
-            return
-        keep = [0] + result.accepted_nodes
-        seq.slots += [chunk.slots[i] for i in keep]
-        kept = set(keep)
-        self.allocator.free([s for i, s in enumerate(chunk.slots) if i not in kept])
-
     def _append(self, seq: Sequence, tree: DraftTree, result: VerifyResult) -> StepOutput:
+        """Append the verified tokens up to the first stop, then observe and trim."""
         out = StepOutput(seq)
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
@@ -233,14 +248,12 @@ class LLMEngine:
             if reason is not None:
                 seq.finish_reason = reason
                 break
-        num_drafted_rows = len(out.new_token_ids)
         if self.speculator is not None:
-            self.speculator.observe(seq, tree, result, num_drafted_rows, self.stats)
-        # Tokens beyond a stop were never appended, so their K/V slots must go too.
-        extra = len(seq.slots) - (seq.num_tokens - 1)
-        if extra > 0:
-            self.allocator.free(seq.slots[-extra:])
-            del seq.slots[-extra:]
+            counters = self.speculator.observe(seq, tree, result, out.new_token_ids)
+            if counters is not None:
+                seq.spec.add(counters)
+                self.stats.add(counters)
+        self.scheduler.trim(seq)
         if seq.finish_reason is not None:
             self._finish(seq)
         return out

@@ -1,8 +1,15 @@
-"""Continuous batching: FCFS admission, chunked prefill, token and sequence limits, preemption."""
+"""Continuous batching: FCFS admission, chunked prefill, token and sequence limits, preemption.
+
+The scheduler is the one owner of KV slots: it allocates them (prefill chunks, decode roots,
+draft trees, scratch space), commits a step's slots to its sequence, and frees them on trim,
+failure, preemption and finish. Nothing else calls the allocator.
+"""
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ngramspec.engine.kv_cache import SlotAllocator
@@ -44,9 +51,9 @@ class Schedule:
 
 
 class Scheduler:
-    def __init__(self, allocator: SlotAllocator, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, num_slots: int, max_num_seqs: int, max_num_batched_tokens: int,
                  admission_reserve: int = 16) -> None:
-        self.allocator = allocator
+        self.allocator = SlotAllocator(num_slots)  # read its counts elsewhere; never allocate
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # Slots a new request must leave free so running requests can keep decoding.
@@ -110,6 +117,55 @@ class Scheduler:
                 return None
             self.preempt(victim)
         return slots
+
+    # ------------------------------------------------------------------ a step's slots
+
+    def reserve_tree(self, chunk: ScheduledChunk, num_drafts: int) -> bool:
+        """Slots for a decode's draft nodes, after its root's; False (nothing taken) when the
+        cache is too full to speculate this step."""
+        slots = self.allocator.allocate(num_drafts)
+        if slots is None:
+            return False
+        chunk.slots.extend(slots)
+        return True
+
+    def commit(self, chunk: ScheduledChunk, keep: list[int] | None = None) -> None:
+        """The chunk's K/V become the sequence's next positions: all of them, or only the chunk
+        slots at `keep` (a tree's root and accepted path, in order); the others are freed.
+
+        Slots are token-granular, so committing is a slot-table rewrite: accepted node i at depth
+        k was written at position start + k, exactly where it now belongs.
+        """
+        seq = chunk.seq
+        if keep is None:
+            seq.slots += chunk.slots
+            return
+        seq.slots += [chunk.slots[i] for i in keep]
+        kept = set(keep)
+        self.allocator.free([s for i, s in enumerate(chunk.slots) if i not in kept])
+
+    def release(self, chunk: ScheduledChunk) -> None:
+        """Free a chunk's slots without committing them (its step failed)."""
+        self.allocator.free(chunk.slots)
+        chunk.slots = []
+
+    def trim(self, seq: Sequence) -> None:
+        """Free the K/V of tokens computed past a stop: they were never appended."""
+        extra = len(seq.slots) - (seq.num_tokens - 1)
+        if extra > 0:
+            self.allocator.free(seq.slots[-extra:])
+            del seq.slots[-extra:]
+
+    @contextmanager
+    def scratch_slots(self, n: int) -> Iterator[list[int]]:
+        """n slots for a forward pass outside any request (cost timing, tests), freed after."""
+        slots = self.allocator.allocate(n)
+        if slots is None:
+            raise ValueError(f"not enough free KV slots ({self.allocator.num_free}) for {n}")
+        try:
+            yield slots
+        finally:
+            self.allocator.free(slots)
 
     def preempt(self, seq: Sequence) -> None:
         """Free a sequence's K/V and requeue it at the front; it is recomputed later, intact."""

@@ -28,6 +28,12 @@ class SpecCounters:
     def mean_acceptance_length(self) -> float:
         return self.num_emitted_tokens / self.num_verify_steps if self.num_verify_steps else 0.0
 
+    def add(self, other: SpecCounters) -> None:
+        self.num_verify_steps += other.num_verify_steps
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        self.num_emitted_tokens += other.num_emitted_tokens
+
 
 @dataclass(slots=True)
 class Sequence:

@@ -1,46 +1,38 @@
-"""Speculator: the engine's side of n-gram speculation (drafting, slot reservation, statistics)."""
+"""Speculator: the engine's side of n-gram speculation: what to draft, how much of it to verify,
+and what the verify steps teach the drafter and the calibrators. It holds no KV slots and no
+engine state: trees go back to the engine, counters go back as values."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from ngramspec.config import EngineConfig
-from ngramspec.drafting.factory import make_drafter
+from ngramspec.drafting.config import DrafterConfig
+from ngramspec.drafting.protocol import Drafter
 from ngramspec.drafting.tree import DraftTree
-from ngramspec.engine.acceptance import AcceptanceCalibrator, RequestAcceptance
-from ngramspec.engine.cost_model import VerifyCost, measure_cost
+from ngramspec.engine.acceptance import PathProbCalibrator, RequestAcceptance
+from ngramspec.engine.cost_model import VerifyCost
 from ngramspec.engine.scheduler import Schedule, ScheduledChunk
-from ngramspec.engine.sequence import Sequence
+from ngramspec.engine.sequence import Sequence, SpecCounters
 from ngramspec.engine.throughput import ThroughputGuard
 from ngramspec.engine.verify import VerifyResult
 
-if TYPE_CHECKING:
-    from ngramspec.engine.kv_cache import SlotAllocator
-    from ngramspec.engine.model_runner import ModelRunner
-    from ngramspec.engine.stats import EngineStats
-
 
 class Speculator:
-    def __init__(self, config: EngineConfig, runner: ModelRunner, allocator: SlotAllocator,
-                 max_model_len: int, corpora=None) -> None:
-        """`runner` measures the cost curve at start-up; `allocator` holds the tree slots."""
-        self.config = config.drafter
-        self.allocator = allocator
-        self.corpora = corpora
-        self.drafter = make_drafter(config.drafter, corpora)
-        # The SGLang preset always verifies its full tree, as SGLang does; ours sizes it by cost.
-        self.adaptive = config.drafter.preset != "sglang"
-        self.calibrator = AcceptanceCalibrator()
+    def __init__(self, config: DrafterConfig, drafter: Drafter, cost: VerifyCost | None,
+                 learn_step_times: bool = False) -> None:
+        """`cost` is the verify-cost curve trees are sized by; None verifies every tree whole (the
+        SGLang way). `learn_step_times` corrects that curve from observed step times, which only
+        makes sense when it was measured here rather than given."""
+        self.config = config
+        self.drafter = drafter
+        self.cost = cost
+        self.calibrator = PathProbCalibrator()
         self.per_request = RequestAcceptance()
         self._expected: dict[int, float] = {}  # seq_id -> calibrated expected accepted this step
-        # Learning from observed step rates only makes sense against a measured cost curve.
-        self.guard = ThroughputGuard() if config.verify_cost is None and self.adaptive else None
+        self.guard = ThroughputGuard() if cost is not None and learn_step_times else None
         self._predicted: tuple[float, float] | None = None  # (base, step) seconds of this step
-        if config.verify_cost is not None:
-            self.cost = VerifyCost.from_relative(config.verify_cost)
-        elif self.adaptive:
-            self.cost = measure_cost(runner, allocator, max_model_len,
-                                     max_tokens=min(128, config.max_num_batched_tokens))
+
+    @property
+    def sizes_trees(self) -> bool:
+        return self.cost is not None
 
     def start(self, seq: Sequence, references: list[list[int]] | None) -> None:
         self.drafter.start(seq.request_id, seq.token_ids, references)
@@ -51,33 +43,28 @@ class Speculator:
         self._expected.pop(seq.seq_id, None)
 
     def propose(self, schedule: Schedule) -> dict[int, DraftTree]:
+        """seq_id -> the tree to verify, for the decodes that speculate this step."""
+        self._predicted = None
         chunks = [c for c in schedule.decodes if c.seq.use_spec]
         if not chunks or schedule.spare_tokens <= 0:
             return {}
-        share = schedule.spare_tokens // len(chunks)
-        budget = min(self.config.num_draft_tokens, share)
+        budget = min(self.config.num_draft_tokens, schedule.spare_tokens // len(chunks))
         if budget <= 0:
             return {}
         trees = self.drafter.propose([c.seq.request_id for c in chunks], [budget] * len(chunks))
-        trees = [self._fit(tree, budget) for tree in trees]
-        self._predicted = None
-        if self.adaptive:
-            trees = self._size(chunks, trees, schedule)
+        trees = [tree.prefix(budget) if tree.num_drafts > budget else tree for tree in trees]
+        if self.cost is not None:
+            trees = self._size(chunks, trees, schedule, self.cost)
         out: dict[int, DraftTree] = {}
         for chunk, tree in zip(chunks, trees):
             # The root is the sequence's last token whatever the drafter says: never trust a
             # drafter with what the model sees.
             tree.token_ids[0] = chunk.seq.token_ids[-1]
-            if tree.num_drafts:
-                slots = self.allocator.allocate(tree.num_drafts)
-                if slots is None:  # cache too full to speculate this step: plain decode
-                    continue
-                chunk.slots.extend(slots)
             out[chunk.seq.seq_id] = tree
         return out
 
-    def _size(self, chunks: list[ScheduledChunk], trees: list[DraftTree],
-              schedule: Schedule) -> list[DraftTree]:
+    def _size(self, chunks: list[ScheduledChunk], trees: list[DraftTree], schedule: Schedule,
+              cost: VerifyCost) -> list[DraftTree]:
         """Keep the prefix of each tree that pays for its verify cost.
 
         Trees keep the drafter's raw estimates (what the global calibrator learns from); the
@@ -91,10 +78,10 @@ class Speculator:
             scale, penalty = self.guard.correction(len(schedule.decodes))
             probe = self.guard.should_probe()
         sizes = [0] * len(trees) if probe else choose_draft_sizes(
-            probs, base, self.cost, penalty, scale)
+            probs, base, cost, penalty, scale)
         for c, k, p in zip(chunks, sizes, calibrated):  # what per_request will check
             self._expected[c.seq.seq_id] = sum(p[1 : k + 1])
-        self._predicted = (self.cost(base), predicted_step_cost(sizes, base, self.cost))
+        self._predicted = (cost(base), predicted_step_cost(sizes, base, cost))
         return [tree.prefix(k) for tree, k in zip(trees, sizes)]
 
     def after_step(self, schedule: Schedule, seconds: float) -> None:
@@ -103,24 +90,17 @@ class Speculator:
                 and not schedule.prefills):
             self.guard.observe(len(schedule.decodes), *self._predicted, seconds)
 
-    def _fit(self, tree: DraftTree, budget: int) -> DraftTree:
-        return tree.prefix(budget) if tree.num_drafts > budget else tree
-
-    def observe(self, seq: Sequence, tree: DraftTree, result: VerifyResult, num_appended: int,
-                stats: EngineStats) -> None:
-        appended = seq.token_ids[seq.num_tokens - num_appended :]
+    def observe(self, seq: Sequence, tree: DraftTree, result: VerifyResult,
+                appended: list[int]) -> SpecCounters | None:
+        """Learn from one request's verify step; its counters, or None for a prefill's token."""
         self.drafter.commit(seq.request_id, appended)
-        if seq.num_tokens - num_appended <= seq.num_prompt_tokens:
-            return  # the first token comes from prefill, not from a verify step
-        if self.adaptive and tree.num_drafts:
+        if seq.num_tokens - len(appended) <= seq.num_prompt_tokens:
+            return None  # the first token comes from prefill, not from a verify step
+        if self.cost is not None and tree.num_drafts:
             self.calibrator.observe(tree.probs, result.accepted_nodes)
             expected = self._expected.pop(seq.seq_id, 0.0)
             self.per_request.observe(seq.seq_id, expected, len(result.accepted_nodes))
-        for counters in (seq.spec, stats):
-            counters.num_verify_steps += 1
-            counters.num_draft_tokens += tree.num_drafts
-            counters.num_accepted_tokens += len(result.accepted_nodes)
-            counters.num_emitted_tokens += num_appended
+        return SpecCounters(1, tree.num_drafts, len(result.accepted_nodes), len(appended))
 
 
 # Host-side cost of verifying trees rather than single tokens: per step (mask building) and per

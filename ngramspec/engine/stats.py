@@ -2,26 +2,28 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from ngramspec.engine.sequence import SpecCounters
 
 
 @dataclass(slots=True)
-class EngineStats:
+class EngineStats(SpecCounters):
+    """Every request's verify counters summed (SpecCounters.add), plus step counts and timings."""
+
     num_steps: int = 0
-    num_verify_steps: int = 0  # per-request verify steps
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_emitted_tokens: int = 0
-    draft_time: float = 0.0
+    draft_time: float = 0.0  # schedule + propose + reserve
     forward_time: float = 0.0
     step_time: float = 0.0
 
-    @property
-    def mean_acceptance_length(self) -> float:
-        return self.num_emitted_tokens / self.num_verify_steps if self.num_verify_steps else 0.0
+    def add_step(self, draft: float, forward: float, total: float) -> None:
+        self.num_steps += 1
+        self.draft_time += draft
+        self.forward_time += forward
+        self.step_time += total
 
     def as_dict(self) -> dict[str, float]:
-        d = {name: getattr(self, name) for name in self.__slots__}
+        d: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self)}
         d["mean_acceptance_length"] = self.mean_acceptance_length
         steps = max(self.num_steps, 1)
         d["draft_ms_per_step"] = 1000 * self.draft_time / steps

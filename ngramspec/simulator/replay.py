@@ -195,7 +195,7 @@ class Report:
     overall: Summary
     by_file: dict[str, Summary]
     by_category: dict[str, Summary]
-    # The same with looping streams left out (replay_findings lesson 6).
+    # The same with looping streams left out (docs/reference/replay_findings.md, finding 6).
     overall_no_loops: Summary
     by_file_no_loops: dict[str, Summary]
     by_category_no_loops: dict[str, Summary]

@@ -4,7 +4,7 @@
 A builder grows a scratch tree of at most `budget` draft slots from a list of anchors (longest
 match first). Equal tokens under the same scratch parent merge, so several anchors share one
 tree. `fill_result` then numbers the slots breadth-first in libstdc++ hash-map order, which is
-the order SGLang's golden tests pin down (sglang_ngram.md §2.4).
+the order SGLang's golden tests pin down (docs/reference/sglang_ngram.md §2.4).
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ from ngramspec.drafting.sources import CORPUS, TRIE
 
 @dataclass(slots=True)
 class SGLangParams:
-    """The C++ `Param` plus our two switches (defaults = SGLang's server defaults, §4.1)."""
+    """The C++ `Param` plus our two switches (defaults = SGLang's server defaults,
+    docs/reference/sglang_ngram.md §4.1)."""
 
     draft_token_num: int = 12  # d: tree size including the root
     max_trie_depth: int = 18  # D
@@ -96,14 +97,16 @@ class SGLangCorpus:
             self._states.pop(key, None)
 
     def reset(self) -> None:
-        """Clear the trie and every match state; the external SAMs are kept (§1.3)."""
+        """Clear the trie and every match state; the external SAMs are kept
+        (docs/reference/sglang_ngram.md §1.3)."""
         self.trie.reset()
         self._states.clear()
 
     # -- lookup -----------------------------------------------------------------------------
 
     def budgets(self, total: int) -> tuple[int, int]:
-        """(trie budget, per-SAM budget) for `total` draft nodes: the fixed split of §2.6."""
+        """(trie budget, per-SAM budget) for `total` draft nodes: the fixed split of
+        docs/reference/sglang_ngram.md §2.6."""
         num_sams = len(self.sams)
         sam_total = min(self.params.external_sam_budget, total) if num_sams else 0
         per_sam = sam_total // num_sams if num_sams else 0

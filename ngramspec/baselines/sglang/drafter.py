@@ -1,6 +1,6 @@
 """The `sglang` preset: SGLang's NGRAM drafter behind our `Drafter` protocol.
 
-Per step, like SGLang's worker (sglang_ngram.md §1.3): the context is the last D tokens of
+Per step, like SGLang's worker (docs/reference/sglang_ngram.md §1.3): the context is the last D tokens of
 prompt + output, the tree is built from the global trie (+ external SAMs under the fixed
 budget split), and after verification the same D-token window, ending at the old root, is
 inserted. Prompts are not indexed (`insert_prompt=True` is the "strongest peer" variant).

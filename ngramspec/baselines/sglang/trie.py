@@ -1,6 +1,6 @@
 """SGLang's NGRAM trie (`trie.h/.cpp`): a fixed node pool of n-grams up to `max_depth` tokens.
 
-Faithful to upstream on purpose, flaws included (see sglang_ngram.md §2.2-§2.3, §8):
+Faithful to upstream on purpose, flaws included (see docs/reference/sglang_ngram.md §2.2-§2.3, §8):
 - `insert(window)` adds every suffix of the window truncated to `max_depth`, so an n-gram is
   re-counted on every step it stays inside the sliding window;
 - eviction (`squeeze`) removes exactly the deficit, leaves only, in global-LRU order, no decay;

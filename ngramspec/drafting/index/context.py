@@ -78,7 +78,7 @@ class ContextIndex:
             self.keys, self.lens, self.vals = keys, lens, vals
 
     def anchors(self, max_anchors: int) -> list[tuple[int, list[int]]]:
-        """Same result as ContextIndex.anchors."""
+        """Same result as the reference (tests/oracles/context.py)."""
         k = max(1, max_anchors)
         lens, starts, nums = (np.zeros(k, np.int64) for _ in range(3))
         pool = np.zeros(k * self.max_occurrences, np.int64)
@@ -88,7 +88,7 @@ class ContextIndex:
                 for i in range(found)]
 
     def continuations(self, ends: list[int], offset: int) -> dict[int, list[int]]:
-        """Same result as ContextIndex.continuations."""
+        """Same result as the reference (tests/oracles/context.py); used by the lockstep tests."""
         tokens = self.tokens
         n = len(tokens)
         groups: dict[int, list[int]] = {}

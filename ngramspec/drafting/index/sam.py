@@ -280,7 +280,8 @@ class SuffixAutomaton:
         return out
 
     def match(self, context: list[int], max_len: int) -> list[tuple[int, int]]:
-        """SGLang §2.5: longest-suffix walk over the last max_len tokens, then link climb."""
+        """Longest-suffix walk over the last max_len tokens, then link climb
+        (docs/reference/sglang_ngram.md §2.5)."""
         return self.anchors(*self.match_state(context, max_len))
 
     # ----------------------------------------------------------------- persistence
