@@ -21,12 +21,13 @@ Message = dict[str, str]
 
 class LLM:
     def __init__(self, model: str | None = None, record_streams: str | None = None,
-                 drafter: Drafter | None = None, **options: Any) -> None:
-        """`drafter`: any object with the Drafter protocol, used instead of the configured one
-        (needs speculative="ngram")."""
+                 custom_drafter: Drafter | None = None, **options: Any) -> None:
+        """`options`: EngineConfig fields (`drafter` is a DrafterConfig) and DrafterConfig fields.
+        `custom_drafter`: any object with the Drafter protocol, used instead of the configured
+        one (needs speculative="ngram")."""
         self.config = EngineConfig.from_kwargs(model=model, **options)
         self.record_streams = record_streams
-        self.engine = LLMEngine(self.config, drafter=drafter)
+        self.engine = LLMEngine(self.config, drafter=custom_drafter)
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 

@@ -12,6 +12,7 @@ import torch
 from conftest import first_difference, prefill_logits, top2_gap
 
 from ngramspec import LLM, SamplingParams
+from ngramspec.drafting.config import DrafterConfig
 from ngramspec.drafting.tree import DraftTree
 from ngramspec.layers.sampler import apply_penalties, target_probs
 
@@ -116,7 +117,7 @@ def _with_oracle(prompts, futures_params):
     """Run `prompts` on an engine whose injected drafter knows each request's future."""
     futures = {f"oracle-{i}": future for i, (future, _) in enumerate(futures_params)}
     engine = LLM(num_threads=2, speculative="ngram", draft_sizing="full",
-                 drafter=OracleDrafter(futures)).engine
+                 custom_drafter=OracleDrafter(futures)).engine
     seqs = [engine.add_request(f"oracle-{i}", prompt, params)
             for i, (prompt, (_, params)) in enumerate(zip(prompts, futures_params))]
     while engine.has_unfinished():
@@ -247,7 +248,7 @@ def test_sampling_with_speculation_keeps_the_target_distribution(tiny_model_dirs
     exact = _exact_joint(_tiny_llm(tiny_model_dirs).engine, prompt, params)
     support = sorted({t for key in exact for t in key})
     llm = _tiny_llm(tiny_model_dirs, speculative="ngram", draft_sizing="full",
-                    drafter=RandomTreeDrafter(support + [0, 1]))
+                    custom_drafter=RandomTreeDrafter(support + [0, 1]))
     engine = llm.engine
     n = 2400
     spec_counts = _sample(llm, prompt, params, n, seed0=10_000)
@@ -289,3 +290,11 @@ def test_thousand_mixed_requests_leave_no_slot_behind(tiny_model_dirs):
         assert len(o.token_ids) == p.max_tokens
         if p.temperature == 0:
             assert o.token_ids == r.token_ids
+
+
+def test_llm_takes_a_drafter_config_and_a_custom_drafter_apart(tiny_model_dirs):
+    """`drafter=` stays the DrafterConfig option; an injected drafter needs speculation on."""
+    llm = _tiny_llm(tiny_model_dirs, speculative="ngram", drafter=DrafterConfig(max_trie_depth=5))
+    assert llm.engine.speculator.drafter.config.max_trie_depth == 5
+    with pytest.raises(ValueError, match="speculation is off"):
+        _tiny_llm(tiny_model_dirs, custom_drafter=RandomTreeDrafter([1, 2]))
