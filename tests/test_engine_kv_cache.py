@@ -19,6 +19,7 @@ from conftest import (
 
 from ngramspec import LLM, SamplingParams
 from ngramspec.engine.kv_cache import SlotAllocator
+from ngramspec.engine.model_runner import ForwardItem
 from ngramspec.engine.sequence import Status
 from ngramspec.layers.attention import KVCache
 
@@ -37,6 +38,61 @@ def test_allocator_hands_out_each_slot_once_and_never_slot_0() -> None:
     assert sorted(alloc.allocate(4)) == sorted(a)
     with pytest.raises(ValueError, match="at least 2 slots"):
         SlotAllocator(1)
+
+
+def test_allocator_hands_out_the_lowest_free_slots() -> None:
+    """Lowest-first is what keeps a lone sequence's K/V one range (read in place)."""
+    alloc = SlotAllocator(20)
+    a = alloc.allocate(10)
+    assert a == list(range(1, 11))
+    alloc.free([7, 3, 9])
+    assert alloc.allocate(2) == [3, 7]
+    assert alloc.allocate(3) == [9, 11, 12]
+    rng = random.Random(0)
+    held = set(range(1, 13)) - {7, 3, 9} | {3, 7, 9}
+    for _ in range(200):
+        if held and rng.random() < 0.5:
+            out = rng.sample(sorted(held), rng.randint(1, len(held)))
+            alloc.free(out)
+            held -= set(out)
+        else:
+            n = rng.randint(0, alloc.num_free)
+            got = alloc.allocate(n)
+            free = sorted(set(range(1, 20)) - held)
+            assert got == free[:n]
+            held |= set(got)
+
+
+def _tree_item(ids: list[int], prefix: list[int], slots: list[int]) -> ForwardItem:
+    """`ids` after a cached prefix: a root, two children of it, and a grandchild of the first."""
+    parents = [-1, 0, 0, 1]
+    mask = [[j == i or j == parents[i] or (i == 3 and j == 0) for j in range(4)] for i in range(4)]
+    start = len(prefix)
+    depth = [0, 1, 1, 2]
+    return ForwardItem(ids, [start + d for d in depth], prefix, slots, mask, list(range(4)))
+
+
+def test_kv_read_in_place_equals_kv_gathered(llm, prompt_ids) -> None:
+    """A lone sequence on one slot range (read as a view) gives the logits it gets on scattered
+    slots (gathered), for a prefill chunk and for a tree verify."""
+    engine = llm.engine
+    prompt = prompt_ids[1][:40]
+    tree = [prompt[-1], 11, 22, 33]
+    n = len(prompt) - 1
+    results = []
+    with engine.scheduler.scratch_slots(3 * (n + 4)) as pool:
+        for slots in (pool[: n + 4], pool[::3][: n + 4][::-1]):  # one range; holes, reversed
+            prefill = ForwardItem(prompt[:-1], list(range(n)), [], slots[:n], None,
+                                  list(range(n)))
+            in_place = engine.runner._range_group(prefill, 0, True) is not None
+            assert in_place == (slots == pool[: n + 4])
+            logits = engine.runner.run([prefill])
+            verify = engine.runner.run([_tree_item(tree, slots[:n], slots[n:])])
+            results.append((logits, verify))
+    (a_pre, a_tree), (b_pre, b_tree) = results
+    torch.testing.assert_close(a_pre, b_pre, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(a_tree, b_tree, atol=1e-4, rtol=1e-4)
+    assert (a_tree[1] - a_tree[2]).abs().max() > 1e-3, "siblings saw the same keys: mask ignored"
 
 
 def test_kv_cache_bytes_per_slot() -> None:

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import heapq
+
 
 class SlotAllocator:
-    """A free list of KV slots. Slot 0 is reserved as the harmless target of padded gathers."""
+    """The free KV slots, lowest first. Slot 0 is reserved as the harmless target of padded gathers.
+
+    Lowest-first keeps a lone sequence's slots one contiguous range (rejected draft slots are
+    the next ones handed out), so attention can read its K/V as a view of the cache instead of
+    gathering it (layers/attention.py).
+    """
 
     def __init__(self, num_slots: int) -> None:
         if num_slots < 2:
             raise ValueError(f"the KV cache needs at least 2 slots, got {num_slots}")
         self.num_slots = num_slots
-        # Popped from the end, so low slots go first and gathers stay local.
-        self._free = list(range(num_slots - 1, 0, -1))
-        self._used = 0
+        self._free = list(range(1, num_slots))  # a sorted list is already a min-heap
 
     @property
     def num_free(self) -> int:
@@ -23,14 +28,15 @@ class SlotAllocator:
         return self.num_slots - 1
 
     def allocate(self, n: int) -> list[int] | None:
-        """n slots, or None (and nothing taken) when fewer are free."""
+        """The n lowest free slots, ascending, or None (and nothing taken) when fewer are free."""
         if n > len(self._free):
             return None
-        if n == 0:
-            return []
-        taken = self._free[-n:]
-        del self._free[-n:]
-        return taken
+        if n == len(self._free):
+            taken = sorted(self._free)
+            self._free.clear()
+            return taken
+        return [heapq.heappop(self._free) for _ in range(n)]
 
     def free(self, slots: list[int]) -> None:
-        self._free.extend(slots)
+        for slot in slots:
+            heapq.heappush(self._free, slot)

@@ -72,6 +72,10 @@ class ModelRunner:
 
     def _group(self, items: list[ForwardItem], offsets: list[int], whole: bool) -> AttentionGroup:
         """Pad these sequences' queries to their longest and their K/V to the longest prefix."""
+        if len(items) == 1:
+            group = self._range_group(items[0], offsets[0], whole)
+            if group is not None:
+                return group
         dev = self.device
         num_q = max(len(it.token_ids) for it in items)
         num_kv = max(len(it.prefix_slots) + len(it.slots) for it in items)
@@ -93,10 +97,30 @@ class ModelRunner:
         return AttentionGroup(
             query_index=torch.tensor(q_rows, device=dev),
             kv_slots=torch.tensor(kv_rows, device=dev),
+            kv_range=None,
             mask=mask,
             output_index=torch.tensor(out_rows, device=dev),
             token_index=None if whole else torch.tensor(token_rows, device=dev),
         )
+
+    def _range_group(self, it: ForwardItem, offset: int, whole: bool) -> AttentionGroup | None:
+        """One sequence whose slots are exactly one range [lo, hi): its K/V are read in place, in
+        slot order (attention does not care about key order; RoPE already holds positions).
+        None when the slots have holes."""
+        kv = it.prefix_slots + it.slots
+        lo, hi = min(kv), max(kv) + 1
+        if hi - lo != len(kv):
+            return None
+        dev, n = self.device, len(it.token_ids)
+        mask = None
+        if n > 1:  # the prefix is open to every query; the query tokens see what their mask says
+            mask = torch.ones(n, hi - lo, dtype=torch.bool, device=dev)  # [Q, L]
+            cols = torch.tensor([s - lo for s in it.slots], device=dev)
+            mask[:, cols] = self._local_mask(it)
+            mask = mask[None, None]  # [1, 1, Q, L]
+        rows = None if whole else torch.arange(offset, offset + n, device=dev)
+        return AttentionGroup(query_index=None if rows is None else rows[None], kv_slots=None,
+                              kv_range=(lo, hi), mask=mask, output_index=None, token_index=rows)
 
     def _local_mask(self, it: ForwardItem) -> torch.Tensor:
         if it.local_mask is not None:

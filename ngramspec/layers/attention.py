@@ -1,7 +1,9 @@
 """Attention over a token-granular paged KV cache.
 
-The reference backend gathers each sequence's K/V by slot into a padded batch and runs SDPA
-with an explicit boolean mask. Any set of query tokens per sequence is allowed, with their own
+The reference backend runs SDPA with an explicit boolean mask. A group of one sequence whose
+slots form one contiguous range reads its K/V as a view of the cache (no copy; the allocator
+hands out lowest slots first, so a lone sequence stays contiguous); other groups gather their
+K/V by slot into a padded batch. Any set of query tokens per sequence is allowed, with their own
 positions and an arbitrary mask over (cached prefix + query tokens): a causal prefill chunk, a
 single decode token and a draft tree are all just masks. A faster backend (e.g. flashinfer on
 CUDA) can replace `ReferenceAttention` behind the same `AttentionMetadata`.
@@ -23,10 +25,13 @@ class AttentionGroup:
     every single-token decode in the batch to its length (attention work is B * Q * L).
     """
 
-    query_index: torch.Tensor  # [B, Q] flat token index of each padded query row (pad -> 0)
-    kv_slots: torch.Tensor  # [B, L] cache slots each sequence attends to (pad -> 0)
-    mask: torch.Tensor  # [B, 1, Q, L] bool, True = may attend
-    output_index: torch.Tensor  # [Tg] row of each real query in the flattened [B * Q] output
+    query_index: torch.Tensor | None  # [B, Q] flat token index of each padded query row (pad ->
+    # 0); None = the step's tokens in order, one sequence, no padding
+    kv_slots: torch.Tensor | None  # [B, L] cache slots each sequence attends to (pad -> 0)
+    kv_range: tuple[int, int] | None  # instead of kv_slots: one sequence reading slots [lo, hi)
+    mask: torch.Tensor | None  # [B, 1, Q, L] bool, True = may attend; None = everything
+    output_index: torch.Tensor | None  # [Tg] row of each real query in the [B * Q] output; None =
+    # all rows
     token_index: torch.Tensor | None  # [Tg] flat index of those queries; None = all, in order
 
 
@@ -71,11 +76,30 @@ class ReferenceAttention:
 
     @staticmethod
     def _group(layer: int, q: torch.Tensor, cache: KVCache, g: AttentionGroup) -> torch.Tensor:
-        b, q_len = g.query_index.shape
         num_heads, head_dim = q.shape[1], q.shape[2]
-        qb = q[g.query_index].transpose(1, 2)  # [B, H, Q, D]
-        kb = cache.k[layer][g.kv_slots].transpose(1, 2)  # [B, KVH, L, D]
-        vb = cache.v[layer][g.kv_slots].transpose(1, 2)
-        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.mask, enable_gqa=True)
+        if g.query_index is None:
+            b, q_len = 1, q.shape[0]
+            qb = q.unsqueeze(0)  # [1, T, H, D]
+        else:
+            b, q_len = g.query_index.shape
+            qb = q.index_select(0, g.query_index.view(-1)).view(b, q_len, num_heads, head_dim)
+        kb, vb = _keys_values(layer, cache, g)  # [B, L, KVH, D]
+        out = F.scaled_dot_product_attention(qb.transpose(1, 2), kb.transpose(1, 2),
+                                             vb.transpose(1, 2), attn_mask=g.mask,
+                                             enable_gqa=True)  # [B, H, Q, D]
         out = out.transpose(1, 2).reshape(b * q_len, num_heads * head_dim)  # [B * Q, H * D]
-        return out[g.output_index]  # [Tg, H * D]
+        return out if g.output_index is None else out[g.output_index]  # [Tg, H * D]
+
+
+def _keys_values(layer: int, cache: KVCache, g: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, L, KVH, D] keys and values of a group: a view of the cache, or gathered by slot."""
+    k, v = cache.k[layer], cache.v[layer]  # [slots, KVH, D]
+    if g.kv_range is not None:
+        lo, hi = g.kv_range
+        return k[lo:hi].unsqueeze(0), v[lo:hi].unsqueeze(0)
+    assert g.kv_slots is not None
+    b, length = g.kv_slots.shape
+    flat = g.kv_slots.view(-1)
+    # index_select copies rows 2-5x faster than advanced indexing here (measured at 128-3500).
+    return (k.index_select(0, flat).view(b, length, *k.shape[1:]),
+            v.index_select(0, flat).view(b, length, *v.shape[1:]))

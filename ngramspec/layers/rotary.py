@@ -1,3 +1,5 @@
+from __future__ import annotations
+
 import torch
 from torch import nn
 
@@ -14,13 +16,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T]; q: [T, H, D]; k: [T, KVH, D]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryTable:
+        """cos and sin of a step's positions, looked up once and shared by every layer."""
+        # positions: [T] -> cos, sin: [T, 1, D]
+        return (self.cos.index_select(0, positions).unsqueeze(1).to(dtype),
+                self.sin.index_select(0, positions).unsqueeze(1).to(dtype))
+
+
+RotaryTable = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, D]
+
+
+def apply_rotary(table: RotaryTable, q: torch.Tensor,
+                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # q: [T, H, D]; k: [T, KVH, D]
+    cos, sin = table
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from torch import nn
 from ngramspec.layers.attention import AttentionMetadata, KVCache, ReferenceAttention
 from ngramspec.layers.linear import Linear
 from ngramspec.layers.norm import RMSNorm
-from ngramspec.layers.rotary import RotaryEmbedding
+from ngramspec.layers.rotary import RotaryEmbedding, RotaryTable, apply_rotary
 from ngramspec.models.config import ModelConfig
 
 
@@ -27,7 +27,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+        self, x: torch.Tensor, rotary: RotaryTable,
         backend: ReferenceAttention, cache: KVCache, meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]  # x: [T, hidden]
@@ -37,7 +37,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        q, k = apply_rotary(rotary, q, k)
         return self.o_proj(backend(self.layer, q, k, v, cache, meta))
 
 
@@ -60,8 +60,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rope, backend, cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, backend, cache, meta)
+    def forward(self, x, rotary, backend, cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, backend, cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -82,8 +82,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         # input_ids, positions: [T]; logits_index: [N] rows that need logits -> [N, vocab]
         x = self.embed_tokens(input_ids)
+        rotary = self.rope.table(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rope, self.attention, cache, meta)
+            x = layer(x, rotary, self.attention, cache, meta)
         return self.lm_head(self.norm(x[logits_index])).float()
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
