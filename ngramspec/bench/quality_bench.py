@@ -1,0 +1,114 @@
+"""bench quality: how far a faster weight mode (bfloat16, ...) drifts from float32.
+
+On held prompts (one Spec-Bench prompt per category, chat template), float32 decodes greedily;
+then both modes score float32's own tokens (teacher forcing), so every position is compared on
+the same context. Reported per mode: the share of positions whose argmax agrees with float32's,
+the mean KL(float32 || mode) of the next-token distributions, and how many tokens free-running
+greedy decoding in the mode matches float32 before the first difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from ngramspec.bench.workloads import limit_per_category, spec_bench
+from ngramspec.engine.model_runner import ForwardItem
+from ngramspec.llm import LLM
+from ngramspec.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ModeQuality:
+    dtype: str
+    positions: int
+    argmax_agreement: float
+    mean_kl: float
+    mean_matching_prefix: float  # free-running greedy tokens equal to float32's, per prompt
+
+
+def score(llm: LLM, token_ids: list[int]) -> torch.Tensor:
+    """Log-probabilities after every position of `token_ids`: [len, vocab] float32."""
+    engine = llm.engine
+    n = len(token_ids)
+    with engine.scheduler.scratch_slots(n) as slots:
+        item = ForwardItem(token_ids, list(range(n)), [], slots, None, list(range(n)))
+        return torch.log_softmax(engine.runner.run([item]).float(), -1)
+
+
+def matching_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def compare(ref: LLM, other: LLM, prompts: list[list[int]], max_tokens: int) -> ModeQuality:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    ref_out = [o.token_ids for o in ref.generate(prompts, params)]
+    other_out = [o.token_ids for o in other.generate(prompts, params)]
+    agree, kl, positions = 0, 0.0, 0
+    for prompt, out in zip(prompts, ref_out):
+        ids = prompt + out
+        first = len(prompt) - 1  # the row that predicts the first output token
+        p = score(ref, ids)[first:-1]  # [len(out), vocab]
+        q = score(other, ids)[first:-1]
+        agree += int((p.argmax(-1) == q.argmax(-1)).sum())
+        kl += float((p.exp() * (p - q)).sum())
+        positions += len(out)
+    prefix = sum(matching_prefix(a, b) for a, b in zip(ref_out, other_out)) / len(prompts)
+    dtype = other.config.dtype
+    return ModeQuality(dtype, positions, agree / max(positions, 1), kl / max(positions, 1), prefix)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    questions = limit_per_category(spec_bench(args.spec_bench_path), 1)
+    common = dict(model=args.model, num_threads=args.threads)
+    ref = LLM(dtype="float32", **common)
+    prompts = [ref.apply_chat_template([{"role": "user", "content": q.text}]) for q in questions]
+    modes = [compare(ref, LLM(dtype=d, **common), prompts, args.max_tokens) for d in args.dtypes]
+    return {"prompts": len(prompts), "max_tokens": args.max_tokens,
+            "modes": [asdict(m) for m in modes]}
+
+
+def print_results(r: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"quality vs float32: {r['prompts']} prompts, {r['max_tokens']} greedy "
+                        "tokens each (teacher-forced on float32's output)")
+    for col in ("dtype", "positions", "argmax agreement", "mean KL (nats)",
+                "free-run matching prefix"):
+        table.add_column(col, justify="right")
+    for m in r["modes"]:
+        table.add_row(m["dtype"], str(m["positions"]), f"{m['argmax_agreement']:.4f}",
+                      f"{m['mean_kl']:.5f}", f"{m['mean_matching_prefix']:.1f}")
+    Console().print(table)
+
+
+def run_quality_bench(args: argparse.Namespace) -> int:
+    r = run(args)
+    if args.json:
+        print(json.dumps(r))
+    else:
+        print_results(r)
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add `quality` under the main CLI's `bench` subcommands."""
+    p = subparsers.add_parser("quality", help="greedy agreement and KL of faster modes vs float32",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16"], help="modes to compare")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--model", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--spec-bench-path", default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run_quality_bench)
