@@ -1,0 +1,89 @@
+"""bench context: plain decode ms/token and the verify curve by context length, per weight mode.
+
+Decode: a batch-1 greedy run of 1 + `--tokens` new tokens minus a 1-token run of the same prompt
+(so prefill cancels out), best of `--repeats`. Verify curve: one forward of q query tokens over a
+cached context of that length, relative to q = 1 (`engine/cost_model.time_forward`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from ngramspec.engine.cost_model import time_forward
+from ngramspec.llm import LLM
+from ngramspec.sampling_params import SamplingParams
+
+QUERY_TOKENS = (1, 2, 4, 8, 16)
+
+
+def decode_ms(llm: LLM, context: int, tokens: int, repeats: int) -> float:
+    vocab = llm.engine.model_cfg.vocab_size
+    prompt = [(i * 7919) % (vocab - 100) + 100 for i in range(context)]  # fixed ids, no tokenizer
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    many = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
+    llm.generate(prompt, one)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        llm.generate(prompt, many)
+        t_many = time.perf_counter() - t
+        t = time.perf_counter()
+        llm.generate(prompt, one)
+        best = min(best, (t_many - (time.perf_counter() - t)) / tokens)
+    return 1000 * best
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for dtype in args.dtypes:
+        llm = LLM(args.model, dtype=dtype, num_threads=args.threads,
+                  max_model_len=max(args.contexts) + 2 * args.tokens + 64)
+        engine = llm.engine
+        rows = {}
+        for ctx in args.contexts:
+            verify = {q: time_forward(engine.runner, engine.scheduler, 1, q, ctx, repeats=3)
+                      for q in QUERY_TOKENS}
+            rows[ctx] = {"decode_ms": decode_ms(llm, ctx, args.tokens, args.repeats),
+                         "verify_rel": {q: verify[q] / verify[1] for q in QUERY_TOKENS}}
+        out[dtype] = rows
+    return out
+
+
+def print_results(r: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="plain decode ms/token and verify cost (q tokens / 1 token) by context")
+    for col in ("dtype", "context", "decode ms/token", *(f"q={q}" for q in QUERY_TOKENS[1:])):
+        table.add_column(col, justify="right")
+    for dtype, rows in r.items():
+        for ctx, row in rows.items():
+            table.add_row(dtype, str(ctx), f"{row['decode_ms']:.1f}",
+                          *(f"{row['verify_rel'][q]:.2f}x" for q in QUERY_TOKENS[1:]))
+    Console().print(table)
+
+
+def run_context_bench(args: argparse.Namespace) -> int:
+    r = run(args)
+    if args.json:
+        print(json.dumps(r))
+    else:
+        print_results(r)
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add `context` under the main CLI's `bench` subcommands."""
+    p = subparsers.add_parser("context", help="decode ms/token and verify curve by context length",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--contexts", nargs="+", type=int, default=[128, 512, 1024, 2048, 3500])
+    p.add_argument("--tokens", type=int, default=32, help="decoded tokens per timing")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--model", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run_context_bench)
