@@ -8,10 +8,10 @@ cached context of that length, relative to q = 1 (`engine/cost_model.time_forwar
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
 
+from ngramspec.bench import emit
 from ngramspec.engine.cost_model import time_forward
 from ngramspec.llm import LLM
 from ngramspec.sampling_params import SamplingParams
@@ -67,12 +67,7 @@ def print_results(r: dict[str, Any]) -> None:
 
 
 def run_context_bench(args: argparse.Namespace) -> int:
-    r = run(args)
-    if args.json:
-        print(json.dumps(r))
-    else:
-        print_results(r)
-    return 0
+    return emit(run(args), args.json, print_results)
 
 
 def register(subparsers: Any) -> None:

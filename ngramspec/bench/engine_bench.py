@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ngramspec.bench import emit
+
 DEFAULT_QUESTIONS = "/work/shared/data/spec_bench/question.jsonl"
 
 
@@ -169,11 +171,7 @@ def run_engine_bench(args: argparse.Namespace) -> int:
     questions = load_questions(args.prompts, args.num_prompts + args.concurrency)
     r = run_bench(args.model, questions, args.max_tokens, args.concurrency, args.threads,
                   hf_sequential_c16=not args.hf_sequential_from_b1)
-    if args.json:
-        print(json.dumps(r))
-    else:
-        print_results(r)
-    return 0
+    return emit(r, args.json, print_results)
 
 
 def register(subparsers: Any) -> None:

@@ -10,12 +10,12 @@ greedy decoding in the mode matches float32 before the first difference.
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
+from ngramspec.bench import emit
 from ngramspec.bench.workloads import limit_per_category, spec_bench
 from ngramspec.engine.model_runner import ForwardItem
 from ngramspec.llm import LLM
@@ -93,12 +93,7 @@ def print_results(r: dict[str, Any]) -> None:
 
 
 def run_quality_bench(args: argparse.Namespace) -> int:
-    r = run(args)
-    if args.json:
-        print(json.dumps(r))
-    else:
-        print_results(r)
-    return 0
+    return emit(run(args), args.json, print_results)
 
 
 def register(subparsers: Any) -> None:

@@ -179,10 +179,14 @@ class LLMEngine:
     def _fail(self, schedule: Schedule) -> None:
         """A step that failed before committing: free its slots, end its requests, keep serving."""
         for chunk in schedule.chunks:
-            self.scheduler.release(chunk)
-            if not chunk.seq.is_finished:
-                chunk.seq.finish_reason = "error"
-                self._finish(chunk.seq)
+            self._fail_chunk(chunk)
+
+    def _fail_chunk(self, chunk: ScheduledChunk) -> None:
+        """Free a chunk's uncommitted slots and end its request with "error"."""
+        self.scheduler.release(chunk)
+        if not chunk.seq.is_finished:
+            chunk.seq.finish_reason = "error"
+            self._finish(chunk.seq)
 
     def _forward_item(self, chunk: ScheduledChunk, tree: DraftTree | None) -> ForwardItem:
         seq, start = chunk.seq, chunk.start
@@ -206,16 +210,11 @@ class LLMEngine:
                 self.scheduler.commit(chunk)
                 continue
             tree = trees.get(seq.seq_id) or DraftTree.root_only(seq.token_ids[-1])
-            n = len(tree)
+            first, row = row, row + len(tree)
             try:
-                result = self._verify(seq, tree, logits[row : row + n], greedy_targets, row)
+                result = self._verify(seq, tree, logits[first:row], greedy_targets, first)
             except RuntimeError:  # e.g. non-finite logits: end this request, not the engine
-                result = None
-            row += n
-            if result is None:
-                self.scheduler.release(chunk)
-                seq.finish_reason = "error"
-                self._finish(seq)
+                self._fail_chunk(chunk)
                 outputs.append(StepOutput(seq))
                 continue
             self.scheduler.commit(chunk, [0] + result.accepted_nodes if tree.num_drafts else None)

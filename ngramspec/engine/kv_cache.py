@@ -31,10 +31,6 @@ class SlotAllocator:
         """The n lowest free slots, ascending, or None (and nothing taken) when fewer are free."""
         if n > len(self._free):
             return None
-        if n == len(self._free):
-            taken = sorted(self._free)
-            self._free.clear()
-            return taken
         return [heapq.heappop(self._free) for _ in range(n)]
 
     def free(self, slots: list[int]) -> None:

@@ -30,10 +30,6 @@ class Speculator:
         self.guard = ThroughputGuard() if cost is not None and learn_step_times else None
         self._predicted: tuple[float, float] | None = None  # (base, step) seconds of this step
 
-    @property
-    def sizes_trees(self) -> bool:
-        return self.cost is not None
-
     def start(self, seq: Sequence, references: list[list[int]] | None) -> None:
         self.drafter.start(seq.request_id, seq.token_ids, references)
 
