@@ -18,6 +18,9 @@ class EngineConfig:
     model: str | None = None  # GGUF file or HF directory; None = bundled SmolLM2-135M-Instruct
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
+    # "gguf": keep a GGUF model's Q4_0/Q4_1/Q8_0 matrices in their blocks and run them with the
+    # native CPU kernel (float32 activations); "none": dequantise every weight to `dtype`.
+    quantization: Literal["none", "gguf"] = "none"
     max_model_len: int = 4096
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
@@ -39,6 +42,13 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name}={value!r} must be a positive integer")
         if self.dtype not in _DTYPES and self.dtype != "auto":
             raise ValueError(f"EngineConfig.dtype={self.dtype!r}: choose auto, {', '.join(_DTYPES)}")
+        if self.quantization not in ("none", "gguf"):
+            raise ValueError(f"EngineConfig.quantization={self.quantization!r}: use none or gguf")
+        if self.quantization == "gguf" and self.dtype not in ("auto", "float32", "fp32"):
+            raise ValueError(f"quantization='gguf' computes in float32; dtype={self.dtype!r} "
+                             "does not apply (use dtype='auto' or 'float32')")
+        if self.quantization == "gguf" and self.device.startswith("cuda"):
+            raise ValueError("quantization='gguf' runs CPU kernels; use device='cpu'")
         if self.speculative not in (None, "ngram"):
             raise ValueError(f"EngineConfig.speculative={self.speculative!r}: use None or 'ngram'")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
@@ -66,7 +76,8 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+            cuda = self.torch_device.type == "cuda" and self.quantization == "none"
+            return torch.bfloat16 if cuda else torch.float32
         return _DTYPES[self.dtype]
 
     @classmethod

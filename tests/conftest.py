@@ -3,6 +3,7 @@ probe that records the raw logits the engine samples from."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import warnings
@@ -253,3 +254,31 @@ def assert_same_tokens(ours: list[int], ref: GreedyRef, what: str) -> None:
         f"{what}: first differing token at step {k}: {ours[k:k + 1]} vs {ref.tokens[k:k + 1]} "
         f"(reference top-2 gap {ref.gaps[k] if k < len(ref.gaps) else float('nan'):.3g})")
     warnings.warn(f"{what}: near-tie flip at step {k} (top-2 gap {ref.gaps[k]:.2e})", stacklevel=2)
+
+
+STREAMS = Path(__file__).resolve().parent.parent / "data" / "streams"
+MAX_GAP = 1e-4  # a greedy divergence between spec and plain is acceptable only at a tie this close
+
+
+def spec_prompts() -> list[tuple[str, list[int], int]]:
+    """(name, prompt ids, max_tokens): one per Spec-Bench category and every code edit (long)."""
+    out, seen = [], set()
+    for line in (STREAMS / "spec_bench.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec["category"] not in seen or rec["category"] in ("summarization", "rag", "coding"):
+            seen.add(rec["category"])
+            out.append((rec["id"], rec["prompt_ids"], 64))
+    for line in (STREAMS / "code_edit.jsonl").read_text().splitlines()[:4]:
+        rec = json.loads(line)
+        out.append((rec["id"], rec["prompt_ids"], 260))
+    return out
+
+
+def check_divergence(llm, name: str, prompt: list[int], ours: list[int], ref: list[int]) -> None:
+    k = first_difference(ours, ref)
+    if k is None:
+        return
+    logits = prefill_logits(llm.engine, prompt + ref[:k])[-1]
+    gap = top2_gap(logits)
+    print(f"{name}: spec and plain differ first at output token {k}; top-2 logit gap there {gap:.3g}")
+    assert gap < MAX_GAP, f"{name}: divergence at token {k} with top-2 gap {gap:.3g} >= {MAX_GAP}"

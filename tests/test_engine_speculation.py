@@ -3,36 +3,18 @@ sampled output keeps the exact target distribution (tiny random model, chi-squar
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import first_difference, prefill_logits, top2_gap
+from conftest import check_divergence, first_difference, prefill_logits, spec_prompts
 
 from ngramspec import LLM, SamplingParams
 from ngramspec.drafting.config import DrafterConfig
 from ngramspec.drafting.tree import DraftTree
 from ngramspec.layers.sampler import apply_penalties, target_probs
 
-STREAMS = Path(__file__).resolve().parent.parent / "data" / "streams"
 FLAT_COST = [1.0] * 14  # verify cost independent of size: always draft the full tree
-MAX_GAP = 1e-4  # a greedy divergence is acceptable only at a tie this close
-
-
-def _prompts() -> list[tuple[str, list[int], int]]:
-    """(name, prompt ids, max_tokens): one per Spec-Bench category and every code edit (long)."""
-    out, seen = [], set()
-    for line in (STREAMS / "spec_bench.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if rec["category"] not in seen or rec["category"] in ("summarization", "rag", "coding"):
-            seen.add(rec["category"])
-            out.append((rec["id"], rec["prompt_ids"], 64))
-    for line in (STREAMS / "code_edit.jsonl").read_text().splitlines()[:4]:
-        rec = json.loads(line)
-        out.append((rec["id"], rec["prompt_ids"], 260))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -40,18 +22,8 @@ def spec_llm(llm):
     return LLM(num_threads=2, speculative="ngram", verify_cost=FLAT_COST)
 
 
-def _check_divergence(llm, name: str, prompt: list[int], ours: list[int], ref: list[int]) -> None:
-    k = first_difference(ours, ref)
-    if k is None:
-        return
-    logits = prefill_logits(llm.engine, prompt + ref[:k])[-1]
-    gap = top2_gap(logits)
-    print(f"{name}: spec and plain differ first at output token {k}; top-2 logit gap there {gap:.3g}")
-    assert gap < MAX_GAP, f"{name}: divergence at token {k} with top-2 gap {gap:.3g} >= {MAX_GAP}"
-
-
 def test_greedy_spec_equals_plain_on_many_prompts(llm, spec_llm):
-    prompts = _prompts()
+    prompts = spec_prompts()
     assert len(prompts) >= 20
     params = [SamplingParams(temperature=0, max_tokens=m) for _, _, m in prompts]
     plain = llm.generate([p for _, p, _ in prompts], params)
@@ -59,12 +31,12 @@ def test_greedy_spec_equals_plain_on_many_prompts(llm, spec_llm):
     assert any(len(o.token_ids) >= 256 for o in plain), "needs long outputs"
     assert spec_llm.engine.stats.num_accepted_tokens > 0, "speculation never accepted anything"
     for (name, prompt, _), a, b in zip(prompts, spec, plain):
-        _check_divergence(llm, name, prompt, a.token_ids, b.token_ids)
+        check_divergence(llm, name, prompt, a.token_ids, b.token_ids)
         assert a.finish_reason == b.finish_reason or first_difference(a.token_ids, b.token_ids)
 
 
 def test_greedy_spec_equals_plain_with_staggered_arrivals(llm, spec_llm):
-    prompts = _prompts()[::3]
+    prompts = spec_prompts()[::3]
     params = SamplingParams(temperature=0, max_tokens=64)
     alone = [llm.generate(p, params)[0].token_ids for _, p, _ in prompts]
     engine = spec_llm.engine
@@ -76,7 +48,20 @@ def test_greedy_spec_equals_plain_with_staggered_arrivals(llm, spec_llm):
     while engine.has_unfinished():
         engine.step()
     for (name, prompt, _), seq, ref in zip(prompts, seqs, alone):
-        _check_divergence(llm, name, prompt, seq.output_ids, ref)
+        check_divergence(llm, name, prompt, seq.output_ids, ref)
+
+
+def test_greedy_spec_equals_plain_in_gguf_mode():
+    """The GGUF block kernels: speculative output equals this mode's own plain decoding."""
+    prompts = spec_prompts()[::2]
+    plain_llm = LLM(num_threads=2, quantization="gguf")
+    spec = LLM(num_threads=2, quantization="gguf", speculative="ngram", verify_cost=FLAT_COST)
+    params = [SamplingParams(temperature=0, max_tokens=m) for _, _, m in prompts]
+    plain = plain_llm.generate([p for _, p, _ in prompts], params)
+    ours = spec.generate([p for _, p, _ in prompts], params)
+    assert spec.engine.stats.num_accepted_tokens > 0
+    for (name, prompt, _), a, b in zip(prompts, ours, plain):
+        check_divergence(plain_llm, name, prompt, a.token_ids, b.token_ids)
 
 
 # ----------------------------------------------------------------------------- hand-built cases

@@ -28,6 +28,8 @@ from ngramspec.engine.stops import check_stop
 from ngramspec.engine.verify import VerifyResult, verify_greedy, verify_sampled
 from ngramspec.layers.attention import KVCache
 from ngramspec.models.loader import (
+    gguf_file,
+    load_gguf_weights,
     load_model_config,
     load_state_dict,
     load_tokenizer,
@@ -59,7 +61,7 @@ class LLMEngine:
                                           self.model_cfg.head_dim, dtype)
         num_slots = max(2, config.kv_cache_bytes // per_slot)
         self.runner = ModelRunner(self.model_cfg, load_state_dict(model_dir), num_slots,
-                                  self.max_model_len, dtype, device)
+                                  self.max_model_len, dtype, device, self._gguf_weights(config))
         self.scheduler = Scheduler(num_slots, config.max_num_seqs, config.max_num_batched_tokens)
         # A sequence longer than the whole cache could never be rescheduled (it would wait forever),
         # so it must end with "length" before it gets there.
@@ -74,6 +76,14 @@ class LLMEngine:
         # them out of the collector (as vLLM does after start-up); later garbage is still collected.
         gc.collect()
         gc.freeze()
+
+    def _gguf_weights(self, config: EngineConfig) -> dict | None:
+        if config.quantization != "gguf":
+            return None
+        path = gguf_file(config.model)
+        if path is None:
+            raise ValueError(f"quantization='gguf' needs a .gguf model file, not {config.model!r}")
+        return load_gguf_weights(path, self.model_cfg.num_heads, self.model_cfg.num_kv_heads)
 
     @property
     def allocator(self) -> SlotAllocator:

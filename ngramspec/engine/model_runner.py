@@ -27,7 +27,9 @@ class ForwardItem:
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, state: dict[str, torch.Tensor], num_slots: int,
-                 max_model_len: int, dtype: torch.dtype, device: torch.device) -> None:
+                 max_model_len: int, dtype: torch.dtype, device: torch.device,
+                 gguf_weights: dict | None = None) -> None:
+        """`gguf_weights` ({HF name: GGUFWeight}): matrices to run from their GGUF blocks."""
         self.device, self.dtype = device, dtype
         self.model_cfg = model_cfg
         with torch.device(device):
@@ -35,6 +37,8 @@ class ModelRunner:
         model.load_hf_state_dict(state)
         self.model = model.to(dtype=dtype).eval()
         self.model.rope.to(torch.float32)  # keep cos/sin exact; they are cast per use
+        if gguf_weights:
+            self.model.use_gguf_weights(gguf_weights)
         pack_linears(self.model)
         self.cache = KVCache(model_cfg.num_layers, num_slots, model_cfg.num_kv_heads,
                              model_cfg.head_dim, dtype, device)

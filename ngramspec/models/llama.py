@@ -108,3 +108,37 @@ class LlamaForCausalLM(nn.Module):
         missing, unexpected = self.load_state_dict(ours, strict=False)
         if missing or unexpected:
             raise ValueError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")
+
+    def use_gguf_weights(self, weights: dict) -> int:
+        """Swap linears (and the embedding) for GGUF block kernels where `weights` ({HF name:
+        GGUFWeight}) has them; q/k/v and gate/up fuse only when their types agree. Call after
+        `load_hf_state_dict` (biases and norms come from there). Returns the layers swapped."""
+        from ngramspec.layers.gguf_linear import GGUFEmbedding, GGUFLinear, GGUFWeight
+
+        def get(name: str):
+            return weights.get(f"model.{name}.weight")
+
+        swapped = 0
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = [get(f"{p}self_attn.{x}_proj") for x in "qkv"]
+            fused = GGUFWeight.concat(qkv) if all(w is not None for w in qkv) else None
+            pairs = [("qkv_proj", attn, fused), ("o_proj", attn, get(f"{p}self_attn.o_proj")),
+                     ("down_proj", mlp, get(f"{p}mlp.down_proj"))]
+            gate_up = [get(f"{p}mlp.gate_proj"), get(f"{p}mlp.up_proj")]
+            if all(w is not None for w in gate_up):
+                pairs.append(("gate_up_proj", mlp, GGUFWeight.concat(gate_up)))
+            for attr, owner, w in pairs:
+                if w is not None:
+                    setattr(owner, attr, GGUFLinear(w, getattr(owner, attr).bias))
+                    swapped += 1
+        embed = get("embed_tokens")
+        head = weights.get("lm_head.weight", embed)  # tied when the file has no output.weight
+        if embed is not None:
+            self.embed_tokens = GGUFEmbedding(embed)
+            swapped += 1
+        if head is not None:
+            self.lm_head = GGUFLinear(head)
+            swapped += 1
+        return swapped

@@ -43,6 +43,12 @@ def default_model_path() -> Path:
     return path
 
 
+def gguf_file(model: str | os.PathLike | None) -> Path | None:
+    """The GGUF file `model` names (the bundled one for None), or None for a model directory."""
+    path = default_model_path() if model is None else Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def resolve_model_dir(model: str | os.PathLike | None, cache_dir: Path | None = None) -> Path:
     """Return an HF-style directory for `model`, converting a GGUF file on first use."""
     path = default_model_path() if model is None else Path(model).expanduser()
@@ -183,3 +189,33 @@ def convert_gguf(path: Path, out: Path) -> None:
 
         shutil.rmtree(out)
     os.replace(tmp, out)  # publish atomically: a half-written cache is never used
+
+
+def load_gguf_weights(path: Path, num_heads: int, num_kv_heads: int) -> dict:
+    """The GGUF's matrices that a block kernel runs (Q4_0, Q4_1, Q8_0), as they are in the file,
+    by HF name: {name: GGUFWeight}. Other tensors (norms, unsupported types) come from the
+    dequantised state dict instead. q/k rows are un-permuted like `convert_gguf` does; rows are
+    whole blocks, so that moves bytes and changes no value."""
+    import gguf
+
+    from ngramspec.layers.gguf_linear import KERNEL_TYPES, GGUFWeight
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    except Exception as e:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from e
+    out = {}
+    for t in reader.tensors:
+        qtype = int(t.tensor_type)
+        if qtype not in KERNEL_TYPES or len(t.shape) != 2:
+            continue
+        name = _hf_name(t.name)
+        blocks = np.asarray(t.data)  # [out, in / 32 * block_bytes] uint8, memory-mapped
+        if arch in ("llama", "mistral") and name.endswith("q_proj.weight"):
+            blocks = _unpermute(blocks, num_heads)
+        elif arch in ("llama", "mistral") and name.endswith("k_proj.weight"):
+            blocks = _unpermute(blocks, num_kv_heads)
+        out[name] = GGUFWeight(torch.from_numpy(np.array(blocks, dtype=np.uint8)), qtype,
+                               int(t.shape[0]))
+    return out

@@ -1,0 +1,48 @@
+"""Native CPU kernels, compiled on first use with the machine's C++ compiler and cached.
+
+`gguf_kernels.cpp` multiplies by weights kept in GGUF's Q4_0/Q4_1/Q8_0 blocks. It is built with
+torch's extension builder (ninja + the system g++) for the CPU it runs on (-march=native) into
+`<ngramspec cache>/kernels`, once per source version; later imports load the cached library.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from types import ModuleType
+
+_SOURCE = Path(__file__).with_name("gguf_kernels.cpp")
+
+
+class KernelBuildError(RuntimeError):
+    """The native kernels could not be compiled or loaded on this machine."""
+
+
+def _build_dir() -> Path:
+    root = Path(os.environ.get("NGRAMSPEC_CACHE", Path.home() / ".cache" / "ngramspec"))
+    path = root / "kernels"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@functools.cache
+def gguf_kernels() -> ModuleType:
+    """The compiled GGUF kernel module (gguf_linear, gguf_rows, has_avx512)."""
+    from torch.utils.cpp_extension import load
+
+    try:
+        return load(
+            name="ngramspec_gguf",
+            sources=[str(_SOURCE)],
+            # -fopenmp: at::parallel_for is inline OpenMP; the soname resolves to torch's libgomp.
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(_build_dir()),
+            verbose=False,
+        )
+    except Exception as e:  # compiler missing, ninja missing, a failed build
+        raise KernelBuildError(
+            f"cannot build the GGUF CPU kernels ({type(e).__name__}: {e}); they need a C++ "
+            "compiler (g++) and the `ninja` package"
+        ) from e

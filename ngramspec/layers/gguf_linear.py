@@ -1,0 +1,77 @@
+"""Linear and embedding layers that keep their weights in GGUF's Q4_0 / Q4_1 / Q8_0 blocks.
+
+The blocks are the GGUF file's own bytes (rows only permuted where llama.cpp permuted q/k),
+dequantised in registers by `ngramspec/kernels/gguf_kernels.cpp` with fp32 accumulation. The
+kernel computes each row of a batch exactly as it would alone, so one token and a draft tree see
+bitwise-equal linear outputs: speculation stays lossless against this mode's plain decoding.
+Activations stay float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ngramspec.kernels import gguf_kernels
+
+# ggml type ids the kernel runs (gguf.GGMLQuantizationType values) -> bytes per 32-weight block
+KERNEL_TYPES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0
+TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFWeight:
+    """One [out, in] matrix as GGUF blocks: `blocks` is [out, in / 32 * block_bytes] uint8."""
+
+    blocks: torch.Tensor
+    qtype: int
+    in_features: int
+
+    def __post_init__(self) -> None:
+        if self.qtype not in KERNEL_TYPES:
+            raise ValueError(f"GGUF type {self.qtype} has no kernel (have {sorted(TYPE_NAMES.values())})")
+        if self.in_features % 32 or self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2:
+            raise ValueError("GGUF blocks must be uint8 [out, in / 32 * block_bytes], in % 32 == 0")
+        if self.blocks.shape[1] != self.in_features // 32 * KERNEL_TYPES[self.qtype]:
+            raise ValueError(f"GGUF blocks of shape {tuple(self.blocks.shape)} do not hold "
+                             f"{self.in_features} {TYPE_NAMES[self.qtype]} weights a row")
+
+    @property
+    def out_features(self) -> int:
+        return self.blocks.shape[0]
+
+    @staticmethod
+    def concat(parts: list[GGUFWeight]) -> GGUFWeight | None:
+        """Rows of several matrices stacked (fused q/k/v, gate/up); None if their types differ."""
+        if len({(p.qtype, p.in_features) for p in parts}) != 1:
+            return None
+        return GGUFWeight(torch.cat([p.blocks for p in parts]), parts[0].qtype, parts[0].in_features)
+
+
+class GGUFLinear(nn.Module):
+    def __init__(self, weight: GGUFWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.qtype, self.in_features = weight.qtype, weight.in_features
+        self.out_features = weight.out_features
+        self.register_buffer("blocks", weight.blocks.contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self._kernels = gguf_kernels()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] float32 -> [T, out]
+        return self._kernels.gguf_linear(x, self.blocks, self.qtype, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, {TYPE_NAMES[self.qtype]}"
+
+
+class GGUFEmbedding(nn.Module):
+    def __init__(self, weight: GGUFWeight) -> None:
+        super().__init__()
+        self.qtype, self.embedding_dim = weight.qtype, weight.in_features
+        self.register_buffer("blocks", weight.blocks.contiguous())
+        self._kernels = gguf_kernels()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [T] -> [T, dim] float32
+        return self._kernels.gguf_rows(self.blocks, ids, self.qtype, self.embedding_dim)
