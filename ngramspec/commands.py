@@ -40,7 +40,8 @@ def register_bench(sub: Any) -> None:
     from ngramspec.bench import corpus_bench
 
     corpus_bench.register_bench(sub)
-    for name in ("engine_bench", "speed_bench", "serve_bench", "quality_bench", "context_bench"):
+    for name in ("engine_bench", "speed_bench", "serve_bench", "quality_bench", "context_bench",
+                 "llamacpp_bench"):
         if importlib.util.find_spec(f"ngramspec.bench.{name}") is not None:
             importlib.import_module(f"ngramspec.bench.{name}").register(sub)
 

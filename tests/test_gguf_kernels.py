@@ -10,7 +10,7 @@ from gguf.quants import dequantize, quantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ngramspec.kernels import gguf_kernels
+from ngramspec.kernels import cpu_kernels
 from ngramspec.layers.gguf_linear import GGUFEmbedding, GGUFLinear, GGUFWeight
 
 TYPES = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
@@ -64,7 +64,7 @@ def test_bad_shapes_and_types_are_named():
     with pytest.raises(ValueError, match="no kernel"):
         GGUFWeight(weight.blocks, 12, 64)  # Q4_K
     with pytest.raises(RuntimeError, match="float32"):
-        gguf_kernels().gguf_linear(torch.randn(2, 64, dtype=torch.float64), weight.blocks,
+        cpu_kernels().gguf_linear(torch.randn(2, 64, dtype=torch.float64), weight.blocks,
                                    weight.qtype, None)
     with pytest.raises(RuntimeError, match="bytes a row"):
-        gguf_kernels().gguf_linear(torch.randn(2, 96), weight.blocks, weight.qtype, None)
+        cpu_kernels().gguf_linear(torch.randn(2, 96), weight.blocks, weight.qtype, None)

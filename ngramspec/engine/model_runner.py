@@ -7,7 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ngramspec.layers.attention import AttentionGroup, AttentionMetadata, KVCache
+from ngramspec.layers.attention import (
+    AttentionGroup,
+    AttentionMetadata,
+    KVCache,
+    PagedAttention,
+    PagedMetadata,
+)
 from ngramspec.layers.linear import pack_linears
 from ngramspec.models.config import ModelConfig
 from ngramspec.models.llama import LlamaForCausalLM
@@ -39,10 +45,15 @@ class ModelRunner:
         self.model.rope.to(torch.float32)  # keep cos/sin exact; they are cast per use
         if gguf_weights:
             self.model.use_gguf_weights(gguf_weights)
+        # The CPU kernel reads K/V in place and is batch-invariant; SDPA stays for CUDA.
+        self.paged = device.type == "cpu"
+        if self.paged:
+            self.model.attention = PagedAttention()
         pack_linears(self.model)
         self.cache = KVCache(model_cfg.num_layers, num_slots, model_cfg.num_kv_heads,
                              model_cfg.head_dim, dtype, device)
         self._causal: dict[int, torch.Tensor] = {}
+        self._tril: dict[int, torch.Tensor] = {}
 
     @torch.inference_mode()
     def run(self, items: list[ForwardItem]) -> torch.Tensor:
@@ -66,13 +77,52 @@ class ModelRunner:
             members.append(it)
             offsets.append(offset)
             offset += len(it.token_ids)
-        groups = [self._group(members, offsets, whole=len(by_size) == 1)
-                  for _, (members, offsets) in sorted(by_size.items())]
-        meta = AttentionMetadata(slot_mapping=torch.tensor(flat_slots, device=dev), groups=groups)
+        slot_mapping = torch.tensor(flat_slots, device=dev)
+        if self.paged:
+            meta = AttentionMetadata(slot_mapping, [], self._paged(items))
+        else:
+            groups = [self._group(members, offsets, whole=len(by_size) == 1)
+                      for _, (members, offsets) in sorted(by_size.items())]
+            meta = AttentionMetadata(slot_mapping, groups)
         # dtype is explicit: a step of mid-prompt chunks only needs no logits, and an empty
         # tensor would default to float, which cannot index.
         return (torch.tensor(flat_ids, device=dev), torch.tensor(flat_pos, device=dev), meta,
                 torch.tensor(logit_rows, dtype=torch.long, device=dev))
+
+    def _paged(self, items: list[ForwardItem]) -> PagedMetadata:
+        """Each sequence's prefix slots, and each query token's visible query-token slots in
+        position order (a causal chunk's token i: the chunk's first i + 1 slots; a tree node:
+        its ancestors and itself, which precede it in the tree's best-first order)."""
+        seq_offsets, prefix_offsets, local_offsets = [0], [0], [0]
+        prefix: list[int] = []
+        local_parts: list[torch.Tensor] = []
+        local_counts: list[int] = []
+        for it in items:
+            n = len(it.token_ids)
+            seq_offsets.append(seq_offsets[-1] + n)
+            prefix += it.prefix_slots
+            prefix_offsets.append(len(prefix))
+            slots = torch.tensor(it.slots)
+            if it.local_mask is None:  # causal: row i sees columns 0..i
+                local_parts.append(slots[self._tril_cols(n)])
+                local_counts += range(1, n + 1)
+            else:
+                mask = torch.tensor(it.local_mask)  # [n, n]
+                local_parts.append(slots.expand(n, n)[mask])  # row-major: each row's in order
+                local_counts += mask.sum(1).tolist()
+        for c in local_counts:
+            local_offsets.append(local_offsets[-1] + c)
+        return PagedMetadata(torch.tensor(seq_offsets), torch.tensor(prefix, dtype=torch.long),
+                             torch.tensor(prefix_offsets), torch.cat(local_parts),
+                             torch.tensor(local_offsets))
+
+    def _tril_cols(self, n: int) -> torch.Tensor:
+        """Column index of every lower-triangle entry of an n x n matrix, row by row."""
+        if n > 64:  # prefill chunks: cheap to build, too many sizes to keep
+            return torch.tril_indices(n, n)[1]
+        if n not in self._tril:
+            self._tril[n] = torch.tril_indices(n, n)[1]
+        return self._tril[n]
 
     def _group(self, items: list[ForwardItem], offsets: list[int], whole: bool) -> AttentionGroup:
         """Pad these sequences' queries to their longest and their K/V to the longest prefix."""

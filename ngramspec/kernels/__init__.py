@@ -1,6 +1,7 @@
 """Native CPU kernels, compiled on first use with the machine's C++ compiler and cached.
 
-`gguf_kernels.cpp` multiplies by weights kept in GGUF's Q4_0/Q4_1/Q8_0 blocks. It is built with
+`gguf_kernels.cpp` multiplies by weights kept in GGUF's Q4_0/Q4_1/Q8_0 blocks; `attention.cpp`
+attends over the KV cache in place (prefix + visible query tokens per token). They are built with
 torch's extension builder (ninja + the system g++) for the CPU it runs on (-march=native) into
 `<ngramspec cache>/kernels`, once per source version; later imports load the cached library.
 """
@@ -12,7 +13,7 @@ import os
 from pathlib import Path
 from types import ModuleType
 
-_SOURCE = Path(__file__).with_name("gguf_kernels.cpp")
+_SOURCES = [Path(__file__).with_name(f) for f in ("gguf_kernels.cpp", "attention.cpp", "bindings.cpp")]
 
 
 class KernelBuildError(RuntimeError):
@@ -27,14 +28,14 @@ def _build_dir() -> Path:
 
 
 @functools.cache
-def gguf_kernels() -> ModuleType:
-    """The compiled GGUF kernel module (gguf_linear, gguf_rows, has_avx512)."""
+def cpu_kernels() -> ModuleType:
+    """The compiled kernel module (gguf_linear, gguf_rows, paged_attention, has_avx512)."""
     from torch.utils.cpp_extension import load
 
     try:
         return load(
-            name="ngramspec_gguf",
-            sources=[str(_SOURCE)],
+            name="ngramspec_cpu",
+            sources=[str(s) for s in _SOURCES],
             # -fopenmp: at::parallel_for is inline OpenMP; the soname resolves to torch's libgomp.
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
@@ -43,6 +44,6 @@ def gguf_kernels() -> ModuleType:
         )
     except Exception as e:  # compiler missing, ninja missing, a failed build
         raise KernelBuildError(
-            f"cannot build the GGUF CPU kernels ({type(e).__name__}: {e}); they need a C++ "
+            f"cannot build the CPU kernels ({type(e).__name__}: {e}); they need a C++ "
             "compiler (g++) and the `ninja` package"
         ) from e

@@ -231,9 +231,3 @@ bool has_avx512() {
   return false;
 #endif
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gguf_linear", &gguf_linear, "x @ dequant(w).T from GGUF blocks (fp32 accumulate)");
-  m.def("gguf_rows", &gguf_rows, "dequantised rows of a GGUF matrix");
-  m.def("has_avx512", &has_avx512, "whether the vector path was compiled");
-}

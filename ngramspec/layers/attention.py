@@ -1,6 +1,8 @@
 """Attention over a token-granular paged KV cache.
 
-The reference backend runs SDPA with an explicit boolean mask. A group of one sequence whose
+On CPU, `PagedAttention` (a C++ kernel) reads each token's keys in place from its sequence's
+slot list. The reference backend (CUDA, and the tests' oracle) runs SDPA with an explicit
+boolean mask. A group of one sequence whose
 slots form one contiguous range reads its K/V as a view of the cache (no copy; the allocator
 hands out lowest slots first, so a lone sequence stays contiguous); other groups gather their
 K/V by slot into a padded batch. Any set of query tokens per sequence is allowed, with their own
@@ -36,9 +38,22 @@ class AttentionGroup:
 
 
 @dataclass(slots=True)
+class PagedMetadata:
+    """What the in-place CPU kernel reads: each query token's ordered key list is its sequence's
+    cached prefix followed by its own visible query-token slots (itself, tree ancestors)."""
+
+    seq_offsets: torch.Tensor  # [B + 1] query tokens of sequence b are rows [o_b, o_b+1)
+    prefix: torch.Tensor  # [P] cached slots of every sequence, concatenated in position order
+    prefix_offsets: torch.Tensor  # [B + 1] sequence b's prefix is prefix[o_b : o_b+1]
+    local: torch.Tensor  # [N] visible query-token slots of every token, concatenated
+    local_offsets: torch.Tensor  # [T + 1] token t's are local[o_t : o_t+1]
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot written by each query token
-    groups: list[AttentionGroup]
+    groups: list[AttentionGroup]  # for ReferenceAttention (SDPA)
+    paged: PagedMetadata | None = None  # for PagedAttention (CPU kernel)
 
 
 class KVCache:
@@ -89,6 +104,29 @@ class ReferenceAttention:
                                              enable_gqa=True)  # [B, H, Q, D]
         out = out.transpose(1, 2).reshape(b * q_len, num_heads * head_dim)  # [B * Q, H * D]
         return out if g.output_index is None else out[g.output_index]  # [Tg, H * D]
+
+
+class PagedAttention:
+    """The CPU kernel `ngramspec/kernels/attention.cpp`: K/V read in place, no padding, no
+    [queries x context] mask, and batch-invariant (a token's output is bitwise the same alone or
+    inside a draft tree), which keeps speculation lossless in every dtype."""
+
+    def __init__(self) -> None:
+        from ngramspec.kernels import cpu_kernels
+
+        self._kernels = cpu_kernels()
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        cache: KVCache, meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        # q: [T, H, D]; k, v: [T, KVH, D] -> out [T, H * D]
+        p = meta.paged
+        assert p is not None, "PagedAttention needs AttentionMetadata.paged"
+        return self._kernels.paged_attention(
+            q.contiguous(), k.contiguous(), v.contiguous(), cache.k[layer], cache.v[layer],
+            meta.slot_mapping, p.seq_offsets, p.prefix, p.prefix_offsets, p.local,
+            p.local_offsets, q.shape[-1] ** -0.5)
 
 
 def _keys_values(layer: int, cache: KVCache, g: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:

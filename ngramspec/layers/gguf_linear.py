@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ngramspec.kernels import gguf_kernels
+from ngramspec.kernels import cpu_kernels
 
 # ggml type ids the kernel runs (gguf.GGMLQuantizationType values) -> bytes per 32-weight block
 KERNEL_TYPES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0
@@ -57,7 +57,7 @@ class GGUFLinear(nn.Module):
         self.out_features = weight.out_features
         self.register_buffer("blocks", weight.blocks.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
-        self._kernels = gguf_kernels()
+        self._kernels = cpu_kernels()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] float32 -> [T, out]
         return self._kernels.gguf_linear(x, self.blocks, self.qtype, self.bias)
@@ -71,7 +71,7 @@ class GGUFEmbedding(nn.Module):
         super().__init__()
         self.qtype, self.embedding_dim = weight.qtype, weight.in_features
         self.register_buffer("blocks", weight.blocks.contiguous())
-        self._kernels = gguf_kernels()
+        self._kernels = cpu_kernels()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [T] -> [T, dim] float32
         return self._kernels.gguf_rows(self.blocks, ids, self.qtype, self.embedding_dim)

@@ -6,7 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ngramspec.layers.attention import AttentionMetadata, KVCache, ReferenceAttention
+from ngramspec.layers.attention import (
+    AttentionMetadata,
+    KVCache,
+    PagedAttention,
+    ReferenceAttention,
+)
 from ngramspec.layers.linear import Linear
 from ngramspec.layers.norm import RMSNorm
 from ngramspec.layers.rotary import RotaryEmbedding, RotaryTable, apply_rotary
@@ -28,7 +33,7 @@ class Attention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, rotary: RotaryTable,
-        backend: ReferenceAttention, cache: KVCache, meta: AttentionMetadata,
+        backend: ReferenceAttention | PagedAttention, cache: KVCache, meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]  # x: [T, hidden]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -74,7 +79,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta)
-        self.attention = ReferenceAttention()
+        self.attention: ReferenceAttention | PagedAttention = ReferenceAttention()
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,

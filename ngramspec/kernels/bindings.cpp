@@ -1,0 +1,22 @@
+// Python bindings of the CPU kernels (one extension module, `ngramspec_cpu`).
+
+#include <torch/extension.h>
+
+torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype,
+                          const c10::optional<torch::Tensor>& bias);
+torch::Tensor gguf_rows(const torch::Tensor& w, const torch::Tensor& ids, int64_t qtype, int64_t K);
+bool has_avx512();
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                              torch::Tensor k_cache, torch::Tensor v_cache,
+                              const torch::Tensor& slot_mapping, const torch::Tensor& seq_offsets,
+                              const torch::Tensor& prefix, const torch::Tensor& prefix_offsets,
+                              const torch::Tensor& local, const torch::Tensor& local_offsets,
+                              double scale);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gguf_linear", &gguf_linear, "x @ dequant(w).T from GGUF blocks (fp32 accumulate)");
+  m.def("gguf_rows", &gguf_rows, "dequantised rows of a GGUF matrix");
+  m.def("has_avx512", &has_avx512, "whether the vector paths were compiled");
+  m.def("paged_attention", &paged_attention,
+        "attention over the KV cache in place: per-sequence prefix + per-token visible slots");
+}
