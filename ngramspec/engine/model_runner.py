@@ -46,9 +46,12 @@ class ModelRunner:
         if gguf_weights:
             self.model.use_gguf_weights(gguf_weights)
         # The CPU kernel reads K/V in place and is batch-invariant; SDPA stays for CUDA.
-        self.paged = device.type == "cpu"
+        self.paged = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
         if self.paged:
+            from ngramspec.kernels import cpu_kernels
+
             self.model.attention = PagedAttention()
+            self.model.use_cpu_kernels(cpu_kernels())
         pack_linears(self.model)
         self.cache = KVCache(model_cfg.num_layers, num_slots, model_cfg.num_kv_heads,
                              model_cfg.head_dim, dtype, device)

@@ -66,7 +66,8 @@ struct Scratch {
 
 template <typename T>
 struct Args {
-  const T* q;        // [Tq, H, D]
+  const T* q;        // [Tq, H, D], rows q_stride apart
+  int64_t q_stride;
   const T* kc;       // [S, KVH, D]
   const T* vc;
   T* out;            // [Tq, H * D]
@@ -152,7 +153,7 @@ void attend_tile(const Args<T>& a, int64_t t0, int64_t t1, int64_t h, Scratch& s
   scratch.scores.resize(static_cast<size_t>(kTile * width));
   float qv[kTile][256], acc[kTile][256];
   for (int64_t i = 0; i < n; ++i) {
-    const T* q = a.q + ((t0 + i) * a.H + h) * a.D;
+    const T* q = a.q + (t0 + i) * a.q_stride + h * a.D;
     for (int64_t d = 0; d < a.D; ++d) {
       qv[i][d] = to_float(q[d]);
       acc[i][d] = 0.0f;
@@ -179,10 +180,10 @@ void attend_tile(const Args<T>& a, int64_t t0, int64_t t1, int64_t h, Scratch& s
 
 template <typename T>
 void write_rows(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slots) {
-  const int64_t n = src.size(0), row = src.size(1) * src.size(2);
+  const int64_t n = src.size(0), row = src.size(1) * src.size(2), ld = src.stride(0);
   const T* s = src.data_ptr<T>();
   T* c = cache.data_ptr<T>();
-  for (int64_t i = 0; i < n; ++i) std::memcpy(c + slots[i] * row, s + i * row, row * sizeof(T));
+  for (int64_t i = 0; i < n; ++i) std::memcpy(c + slots[i] * row, s + i * ld, row * sizeof(T));
 }
 
 template <typename T>
@@ -210,7 +211,7 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
     Scratch scratch;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t w = i / H, h = i % H, b = item_seq[w], t0 = item_t0[w];
-      Args<T> a{q.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(), out.data_ptr<T>(), H, KVH, D,
+      Args<T> a{q.data_ptr<T>(), q.stride(0), kc.data_ptr<T>(), vc.data_ptr<T>(), out.data_ptr<T>(), H, KVH, D,
                 prefix.data_ptr<int64_t>() + po[b], po[b + 1] - po[b], local.data_ptr<int64_t>(),
                 local_offsets.data_ptr<int64_t>(), static_cast<float>(scale)};
       attend_tile<T>(a, t0, std::min(t0 + kTile, so[b + 1]), h, scratch);
@@ -233,9 +234,11 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k, co
                               double scale) {
   for (const torch::Tensor* t : {&q, &k, &v, static_cast<const torch::Tensor*>(&k_cache),
                                  static_cast<const torch::Tensor*>(&v_cache)})
-    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->dim() == 3 &&
-                    t->scalar_type() == q.scalar_type(),
-                "paged_attention: q, k, v and the caches must be contiguous 3-D CPU tensors of one dtype");
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 3 && t->stride(2) == 1 &&
+                    t->stride(1) == t->size(2) && t->scalar_type() == q.scalar_type(),
+                "paged_attention: q, k, v and the caches must be 3-D CPU tensors of one dtype, "
+                "each row's heads contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches must be contiguous");
   for (const torch::Tensor* t : {&slot_mapping, &seq_offsets, &prefix, &prefix_offsets, &local, &local_offsets})
     TORCH_CHECK(t->scalar_type() == torch::kLong && t->is_contiguous(),
                 "paged_attention: index tensors must be contiguous int64");

@@ -13,10 +13,21 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k, co
                               const torch::Tensor& local, const torch::Tensor& local_offsets,
                               double scale);
 
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+torch::Tensor add_rms_norm(torch::Tensor residual, const torch::Tensor& x, const torch::Tensor& weight,
+                           double eps);
+void rope_(torch::Tensor qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads,
+           int64_t head_dim);
+torch::Tensor silu_mul(const torch::Tensor& gate_up);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear", &gguf_linear, "x @ dequant(w).T from GGUF blocks (fp32 accumulate)");
   m.def("gguf_rows", &gguf_rows, "dequantised rows of a GGUF matrix");
   m.def("has_avx512", &has_avx512, "whether the vector paths were compiled");
   m.def("paged_attention", &paged_attention,
         "attention over the KV cache in place: per-sequence prefix + per-token visible slots");
+  m.def("rms_norm", &rms_norm, "RMSNorm(x) * weight, row by row");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual) * weight");
+  m.def("rope_", &rope_, "rotary embedding in place on the q and k heads of a fused qkv row");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up row");
 }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,18 +33,27 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
+    ops: ModuleType | None = None  # the fused CPU kernels (ngramspec.kernels), or None
+
     def forward(
         self, x: torch.Tensor, rotary: RotaryTable,
         backend: ReferenceAttention | PagedAttention, cache: KVCache, meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]  # x: [T, hidden]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        fused_rope = self.ops is not None and self.q_norm is None
+        if fused_rope:  # rotate q and k in place inside the fused row; no copies
+            cos, sin = rotary
+            self.ops.rope_(qkv, cos.view(t, -1), sin.view(t, -1),
+                           self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(rotary, q, k)
+        if not fused_rope:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(rotary, q, k)
         return self.o_proj(backend(self.layer, q, k, v, cache, meta))
 
 
@@ -52,7 +63,11 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+    ops: ModuleType | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -65,9 +80,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rotary, backend, cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, backend, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary, backend, cache,
+                meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream travels beside the sublayer output, so each "add, then norm" is
+        one op (vLLM's layout): returns (this layer's MLP output, the residual before it)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rotary, backend, cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -87,10 +110,23 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         # input_ids, positions: [T]; logits_index: [N] rows that need logits -> [N, vocab]
         x = self.embed_tokens(input_ids)
-        rotary = self.rope.table(positions, x.dtype)
+        # the fused CPU rope reads float32 cos/sin and rounds them to the activations' dtype
+        rotary = self.rope.table(positions, torch.float32 if self.cpu_ops else x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, rotary, self.attention, cache, meta)
-        return self.lm_head(self.norm(x[logits_index])).float()
+            x, residual = layer(x, residual, rotary, self.attention, cache, meta)
+        h, _ = self.norm(x[logits_index], residual[logits_index])
+        return self.lm_head(h).float()
+
+    @property
+    def cpu_ops(self) -> bool:
+        return self.norm.ops is not None
+
+    def use_cpu_kernels(self, ops: ModuleType) -> None:
+        """Run norms, rotary and SiLU-mul through the fused CPU kernels (`ngramspec.kernels`)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.ops = ops
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load HF-named weights, fusing q/k/v and gate/up into our packed projections."""
