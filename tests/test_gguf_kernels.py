@@ -25,23 +25,34 @@ def _weight(qtype, out_features: int, in_features: int, seed: int) -> tuple[GGUF
     return GGUFWeight(torch.from_numpy(blocks), int(qtype), in_features), dense
 
 
+AMX = [False, True] if cpu_kernels().amx_available() else [False]
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 40])
-def test_linear_matches_dequantised_matmul(qtype, rows):
-    weight, dense = _weight(qtype, 44, 96, seed=rows)  # 44: not a multiple of the 8-output tile
-    bias = torch.randn(44)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 16, 17, 40])
+@pytest.mark.parametrize("use_amx", AMX, ids=["avx512", "amx"][: len(AMX)])
+def test_linear_matches_dequantised_matmul(qtype, rows, use_amx):
+    out_features = 48 if use_amx else 44  # 44: not a multiple of the 8-output tile
+    weight, dense = _weight(qtype, out_features, 96, seed=rows)
+    bias = torch.randn(out_features)
     x = torch.randn(rows, 96)
-    out = GGUFLinear(weight, bias)(x)
-    ref = x.double() @ dense.T + bias.double()
+    layer = GGUFLinear(weight, bias, use_amx=use_amx)
+    assert layer.uses_amx == use_amx
+    out = layer(x)
+    # the AMX kernel multiplies bf16-rounded activations by the exact weights
+    xr = x.bfloat16().double() if use_amx else x.double()
+    ref = xr @ dense.T + bias.double()
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
 
 
-@settings(max_examples=30, deadline=None)
-@given(st.sampled_from(TYPES), st.integers(1, 24), st.integers(1, 40), st.integers(0, 2**31))
-def test_each_row_is_bitwise_the_same_alone_or_in_a_batch(qtype, rows, out_features, seed):
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(TYPES), st.integers(1, 40), st.integers(1, 6), st.integers(0, 2**31),
+       st.sampled_from(AMX))
+def test_each_row_is_bitwise_the_same_alone_or_in_a_batch(qtype, rows, tiles, seed, use_amx):
     """What keeps speculation lossless: a draft tree's rows equal each token run alone."""
+    out_features = 16 * tiles if use_amx else 7 * tiles
     weight, _ = _weight(qtype, out_features, 64, seed)
-    layer = GGUFLinear(weight)
+    layer = GGUFLinear(weight, use_amx=use_amx)
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(seed))
     batch = layer(x)
     for r in range(rows):

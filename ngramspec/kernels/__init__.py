@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 from types import ModuleType
 
-_SOURCES = [Path(__file__).with_name(f) for f in ("gguf_kernels.cpp", "attention.cpp", "layer_ops.cpp",
-                                                  "bindings.cpp")]
+_SOURCES = [Path(__file__).with_name(f) for f in (
+    "gguf_kernels.cpp", "amx_linear.cpp", "attention.cpp", "layer_ops.cpp", "bindings.cpp")]
 
 
 class KernelBuildError(RuntimeError):

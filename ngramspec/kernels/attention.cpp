@@ -24,6 +24,8 @@
 #include <immintrin.h>
 #endif
 
+#include "vec_math.h"
+
 namespace {
 
 constexpr int kTile = 4;  // query tokens of one sequence sharing each key load
@@ -37,24 +39,6 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// exp(x) for x <= 0 (Cephes expf: range reduction by ln 2, degree-6 polynomial, scale by 2^n).
-// Elementwise and deterministic, so a score's exp never depends on its neighbours.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
 }
 
 #endif
@@ -104,13 +88,13 @@ inline float softmax_inplace(float* s, int64_t L) {
   __m512 vsum = _mm512_setzero_ps();
   int64_t j = 0;
   for (; j + 16 <= L; j += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), vmx));
+    const __m512 e = ngramspec::exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), vmx));
     _mm512_storeu_ps(s + j, e);
     vsum = _mm512_add_ps(vsum, e);
   }
   if (j < L) {
     const __mmask16 m = static_cast<__mmask16>((1u << (L - j)) - 1);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vmx));
+    const __m512 e = ngramspec::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vmx));
     _mm512_mask_storeu_ps(s + j, m, e);
     vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
   }

@@ -10,7 +10,10 @@
 #include <c10/util/BFloat16.h>
 
 #include <cmath>
+#include <type_traits>
 #include <cstdint>
+
+#include "vec_math.h"
 
 namespace {
 
@@ -111,7 +114,19 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
     for (int64_t t = 0; t < rows; ++t) {
       const scalar_t* g = gate_up.data_ptr<scalar_t>() + t * gate_up.stride(0);
       scalar_t* o = out.data_ptr<scalar_t>() + t * inter;
-      for (int64_t i = 0; i < inter; ++i) {
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        const __m512 one = _mm512_set1_ps(1.0f);
+        for (; i + 16 <= inter; i += 16) {
+          const __m512 x = _mm512_loadu_ps(g + i);
+          const __m512 e = ngramspec::exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+          const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, e));
+          _mm512_storeu_ps(o + i, _mm512_mul_ps(silu, _mm512_loadu_ps(g + inter + i)));
+        }
+      }
+#endif
+      for (; i < inter; ++i) {
         const float x = f(g[i]);
         const float silu = f(static_cast<scalar_t>(x / (1.0f + std::exp(-x))));
         o[i] = static_cast<scalar_t>(silu * f(g[inter + i]));

@@ -1,10 +1,9 @@
 """Linear and embedding layers that keep their weights in GGUF's Q4_0 / Q4_1 / Q8_0 blocks.
 
 The blocks are the GGUF file's own bytes (rows only permuted where llama.cpp permuted q/k),
-dequantised in registers by `ngramspec/kernels/gguf_kernels.cpp` with fp32 accumulation. The
-kernel computes each row of a batch exactly as it would alone, so one token and a draft tree see
-bitwise-equal linear outputs: speculation stays lossless against this mode's plain decoding.
-Activations stay float32.
+dequantised in registers with fp32 accumulation. Both kernels compute each row of a batch exactly
+as it would alone, so one token and a draft tree see bitwise-equal linear outputs: speculation
+stays lossless against this mode's plain decoding. Activations between layers stay float32.
 """
 
 from __future__ import annotations
@@ -51,19 +50,33 @@ class GGUFWeight:
 
 
 class GGUFLinear(nn.Module):
-    def __init__(self, weight: GGUFWeight, bias: torch.Tensor | None = None) -> None:
+    """On a CPU with AMX (bf16 tiles) the blocks are re-ordered once into AMX tiles and 1 to 16
+    rows cost about the same (`amx_linear.cpp`: activations rounded to bf16, fp32 sums); else
+    the AVX-512 kernel runs them as they are (`gguf_kernels.cpp`: fp32 throughout)."""
+
+    def __init__(self, weight: GGUFWeight, bias: torch.Tensor | None = None,
+                 use_amx: bool | None = None) -> None:
         super().__init__()
         self.qtype, self.in_features = weight.qtype, weight.in_features
         self.out_features = weight.out_features
-        self.register_buffer("blocks", weight.blocks.contiguous())
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         self._kernels = cpu_kernels()
+        if use_amx is None:
+            use_amx = self._kernels.amx_available()
+        self.uses_amx = use_amx and self.out_features % 16 == 0
+        blocks = weight.blocks.contiguous()
+        if self.uses_amx:
+            blocks = self._kernels.amx_pack(blocks, self.qtype, self.in_features)
+        self.register_buffer("blocks", blocks)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] float32 -> [T, out]
+        if self.uses_amx:
+            return self._kernels.amx_linear(x, self.blocks, self.qtype, self.bias)
         return self._kernels.gguf_linear(x, self.blocks, self.qtype, self.bias)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, {TYPE_NAMES[self.qtype]}"
+        kernel = "amx" if self.uses_amx else "avx512"
+        return f"{self.in_features}, {self.out_features}, {TYPE_NAMES[self.qtype]}, {kernel}"
 
 
 class GGUFEmbedding(nn.Module):

@@ -1,0 +1,260 @@
+// GGUF Q4_0 / Q4_1 / Q8_0 matrices multiplied on Intel AMX tiles (bf16 products, fp32 sums).
+//
+// Why: the AVX-512 block kernel (gguf_kernels.cpp) spends ~17 vector ops per 32 weights per
+// output on dequantising, and every extra row costs two more FMAs per 32 weights: one row ~11 ms
+// for SmolLM2-135M, eight rows ~24 ms. Here each 16-output x 32-input tile of weights is
+// dequantised once into bf16 and one TDPBF16PS multiplies it with up to 16 rows at once, so 1
+// to 16 rows cost the same: verifying a draft tree is as cheap as decoding one token.
+//
+// Layout (built once at load by amx_pack from the GGUF blocks, same bits re-ordered): per tile of
+// 16 outputs and block of 32 inputs, 16 rows r of the weights for inputs (2r, 2r + 1) of every
+// output, which is the pair-interleaved order a TDPBF16PS B tile needs, then the 16 outputs' fp16
+// scales (and mins). Q4: row r is 16 bytes, byte j holding output j/2 (low nibble) and 8 + j/2
+// (high nibble), input 2r + j%2. Q8_0: row r is 32 int8, byte j = output j/2, input 2r + j%2.
+//
+// Numerics: activations and dequantised weights are rounded to bf16, products summed in fp32 in a
+// fixed order (block by block along the input); a row's result does not depend on the other rows.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define NGRAMSPEC_AMX 1
+#include <immintrin.h>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+
+inline bool is_q4(int64_t qtype) { return qtype == kQ4_0 || qtype == kQ4_1; }
+// packed bytes per (16-output tile, 32-input block)
+inline int64_t tile_bytes(int64_t qtype) { return is_q4(qtype) ? 16 * 16 + 64 : 16 * 32 + 32; }
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+}  // namespace
+
+// blocks: [N, K / 32 * block_bytes] GGUF rows -> [N / 16, K / 32, tile_bytes] uint8
+torch::Tensor amx_pack(const torch::Tensor& blocks, int64_t qtype, int64_t K) {
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, "amx_pack: Q4_0, Q4_1 or Q8_0");
+  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() && blocks.dim() == 2,
+              "amx_pack: contiguous uint8 [N, row_bytes]");
+  const int64_t N = blocks.size(0), nb = K / 32;
+  const int64_t bb = qtype == kQ8_0 ? 34 : (qtype == kQ4_1 ? 20 : 18);
+  TORCH_CHECK(N % 16 == 0 && K % 32 == 0 && blocks.size(1) == nb * bb,
+              "amx_pack: N must be a multiple of 16 and rows whole blocks");
+  const int64_t tb = tile_bytes(qtype);
+  torch::Tensor out = torch::zeros({N / 16, nb, tb}, torch::kUInt8);
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t t = 0; t < N / 16; ++t) {
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* o = dst + (t * nb + b) * tb;
+      auto block = [&](int64_t n) { return src + (t * 16 + n) * blocks.size(1) + b * bb; };
+      if (is_q4(qtype)) {
+        const int64_t qoff = qtype == kQ4_1 ? 4 : 2;
+        auto nib = [&](int64_t n, int64_t k) {  // GGUF: element k < 16 low nibble of byte k
+          const uint8_t byte = block(n)[qoff + (k & 15)];
+          return static_cast<uint8_t>(k < 16 ? byte & 0x0F : byte >> 4);
+        };
+        for (int64_t r = 0; r < 16; ++r)
+          for (int64_t j = 0; j < 16; ++j) {
+            const int64_t k = 2 * r + (j & 1);
+            o[r * 16 + j] = static_cast<uint8_t>(nib(j / 2, k) | (nib(8 + j / 2, k) << 4));
+          }
+        uint16_t* scales = reinterpret_cast<uint16_t*>(o + 256);  // d[16], m[16] as fp16
+        for (int64_t n = 0; n < 16; ++n) {
+          const uint16_t d = load_u16(block(n));
+          scales[n] = d;
+          if (qtype == kQ4_1) {
+            scales[16 + n] = load_u16(block(n) + 2);
+          } else {  // Q4_0: w = d * (q - 8) = d * q + (-8 d); -8 d is exact in fp16
+            const float md = -8.0f * static_cast<float>(c10::Half(d, c10::Half::from_bits()));
+            scales[16 + n] = c10::Half(md).x;
+          }
+        }
+      } else {
+        for (int64_t r = 0; r < 16; ++r)
+          for (int64_t j = 0; j < 32; ++j) o[r * 32 + j] = block(j / 2)[2 + 2 * r + (j & 1)];
+        uint16_t* scales = reinterpret_cast<uint16_t*>(o + 512);
+        for (int64_t n = 0; n < 16; ++n) scales[n] = load_u16(block(n));
+      }
+    }
+  }
+  return out;
+}
+
+#if defined(NGRAMSPEC_AMX)
+
+namespace {
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles 0, 1: C (rows x 16 fp32); 2: A (rows x 32 bf16); 3, 4: B (16 pair-rows x 16 outputs).
+// rows = M for one chunk of M <= 16 rows (a decode stores one C row, not sixteen), else 16.
+inline void configure_tiles(int rows) {
+  TileConfig cfg;
+  for (int i = 0; i < 5; ++i) {
+    cfg.rows[i] = i < 3 ? static_cast<uint8_t>(rows) : 16;
+    cfg.colsb[i] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// bf16 bit patterns of 0..15 (exact), for vpermw
+alignas(64) const uint16_t kNibbleBf16[32] = {
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+
+// The integer weights of one (tile, block) -> 16 pair-rows x 32 bf16 (1 KB), the B-tile order.
+// Scales are applied after the tile product, so this is exact.
+template <int64_t Q>
+inline void unpack_tile(const uint8_t* p, uint16_t* out) {
+  if constexpr (Q != kQ8_0) {
+    const __m512i lut = _mm512_load_si512(kNibbleBf16);
+    for (int r = 0; r < 16; r += 2) {  // two rows (32 bytes) at a time
+      const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + r * 16)));
+      const __m512i lo = _mm512_and_si512(words, _mm512_set1_epi16(0x0F));  // outputs 0..7
+      const __m512i hi = _mm512_srli_epi16(words, 4);                        // outputs 8..15
+      const __m512i row0 = _mm512_shuffle_i64x2(lo, hi, 0x44), row1 = _mm512_shuffle_i64x2(lo, hi, 0xEE);
+      _mm512_storeu_si512(out + r * 32, _mm512_permutexvar_epi16(row0, lut));
+      _mm512_storeu_si512(out + (r + 1) * 32, _mm512_permutexvar_epi16(row1, lut));
+    }
+  } else {
+    for (int r = 0; r < 16; ++r) {
+      const uint8_t* row = p + r * 32;
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16))));
+      _mm512_storeu_si512(out + r * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+}
+
+// Outputs of tiles [t0, t1) for all M rows. Per block: C = A . Q on the tiles (exact integer
+// weights), then acc += d * C + m * sum(x over the block), in block order.
+template <int64_t Q>
+void tiles_range(const uint16_t* xb, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
+                 int64_t t0, int64_t t1, float* out, int64_t N) {
+  const int64_t nb = K / 32, tb = tile_bytes(Q), m_chunks = (M + 15) / 16;
+  constexpr int64_t scale_off = Q != kQ8_0 ? 256 : 512;
+  alignas(64) uint16_t bt[2][16 * 32];
+  alignas(64) float c[2][16 * 16];
+  std::vector<float> acc(static_cast<size_t>(M * 32));
+  configure_tiles(static_cast<int>(std::min<int64_t>(M, 16)));
+  for (int64_t t = t0; t < t1; t += 2) {
+    const int64_t pair = std::min<int64_t>(2, t1 - t);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t b = 0; b < nb; ++b) {
+      __m512 d[2], m[2];
+      for (int64_t i = 0; i < pair; ++i) {
+        const uint8_t* p = w + ((t + i) * nb + b) * tb;
+        unpack_tile<Q>(p, bt[i]);
+        d[i] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + scale_off)));
+        m[i] = Q != kQ8_0 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + scale_off + 32)))
+                          : _mm512_setzero_ps();
+      }
+      _tile_loadd(3, bt[0], 64);
+      if (pair == 2) _tile_loadd(4, bt[1], 64);
+      for (int64_t mc = 0; mc < m_chunks; ++mc) {
+        _tile_loadd(2, xb + mc * 16 * K + b * 32, K * 2);
+        _tile_zero(0);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_stored(0, c[0], 64);
+        if (pair == 2) {
+          _tile_zero(1);
+          _tile_dpbf16ps(1, 2, 4);
+          _tile_stored(1, c[1], 64);
+        }
+        const int64_t rows = std::min<int64_t>(16, M - mc * 16);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t row = mc * 16 + r;
+          const __m512 xs = _mm512_set1_ps(xsum[row * nb + b]);
+          for (int64_t i = 0; i < pair; ++i) {
+            float* a = acc.data() + row * 32 + i * 16;
+            __m512 v = _mm512_fmadd_ps(_mm512_load_ps(c[i] + r * 16), d[i], _mm512_loadu_ps(a));
+            if constexpr (Q != kQ8_0) v = _mm512_fmadd_ps(xs, m[i], v);
+            _mm512_storeu_ps(a, v);
+          }
+        }
+      }
+    }
+    for (int64_t row = 0; row < M; ++row)
+      std::memcpy(out + row * N + t * 16, acc.data() + row * 32, pair * 64);
+  }
+  _tile_release();
+}
+
+}  // namespace
+
+bool amx_available() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
+  // Linux hands out the tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+  return amx_bf16 && amx_tile && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+
+// x: [M, K] float32 -> [M, N] float32 with w = amx_pack(...) of a GGUF matrix.
+torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype,
+                         const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
+              "amx_linear: x must be a 2-D CPU float32 tensor");
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == tile_bytes(qtype) && w.size(1) * 32 == x.size(1),
+              "amx_linear: weight was not packed for this type and input size");
+  static const bool usable = amx_available();  // also asks Linux for the tile state, once
+  TORCH_CHECK(usable, "amx_linear: AMX bf16 tiles are not available on this CPU");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * 16;
+  torch::Tensor out = torch::empty({M, N}, x.options());
+  if (M == 0) return out;
+  const int64_t m_chunks = (M + 15) / 16, nb = K / 32;
+  // activations in bf16, zero-padded to whole 16-row tiles (pad rows never touch real ones),
+  // and each row's sum over every 32-input block (of the bf16 values) for the mins
+  torch::Tensor xb = torch::zeros({m_chunks * 16, K}, torch::kBFloat16);
+  xb.narrow(0, 0, M).copy_(x);
+  torch::Tensor xsum = xb.narrow(0, 0, M).view({M, nb, 32}).to(torch::kFloat32).sum(2).contiguous();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
+  const float* sp = xsum.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t tiles = N / 16, pairs = (tiles + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+    const int64_t t0 = 2 * p0, t1 = std::min(tiles, 2 * p1);
+    switch (qtype) {
+      case kQ4_0: tiles_range<kQ4_0>(xp, sp, M, K, wp, t0, t1, op, N); break;
+      case kQ4_1: tiles_range<kQ4_1>(xp, sp, M, K, wp, t0, t1, op, N); break;
+      default: tiles_range<kQ8_0>(xp, sp, M, K, wp, t0, t1, op, N); break;
+    }
+  });
+  if (bias.has_value() && bias->defined()) out.add_(*bias);
+  return out;
+}
+
+#else  // built without AMX: the AVX-512 block kernel serves instead
+
+bool amx_available() { return false; }
+
+torch::Tensor amx_linear(const torch::Tensor&, const torch::Tensor&, int64_t,
+                         const c10::optional<torch::Tensor>&) {
+  TORCH_CHECK(false, "amx_linear: this build has no AMX support");
+}
+
+#endif
