@@ -21,6 +21,10 @@ class EngineConfig:
     # "gguf": keep a GGUF model's Q4_0/Q4_1/Q8_0 matrices in their blocks and run them with the
     # native CPU kernel (float32 activations); "none": dequantise every weight to `dtype`.
     quantization: Literal["none", "gguf"] = "none"
+    # K/V storage: "auto" = the activations' dtype, except bfloat16 for quantization="gguf" (half
+    # the bytes that long-context attention streams; its quality is in `bench quality`).
+    # bfloat16 under float32 activations needs the CPU attention kernel.
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     max_model_len: int = 4096
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
@@ -49,6 +53,9 @@ class EngineConfig:
                              "does not apply (use dtype='auto' or 'float32')")
         if self.quantization == "gguf" and self.device.startswith("cuda"):
             raise ValueError("quantization='gguf' runs CPU kernels; use device='cpu'")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"EngineConfig.kv_cache_dtype={self.kv_cache_dtype!r}: "
+                             "use auto, float32 or bfloat16")
         if self.speculative not in (None, "ngram"):
             raise ValueError(f"EngineConfig.speculative={self.speculative!r}: use None or 'ngram'")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
@@ -79,6 +86,12 @@ class EngineConfig:
             cuda = self.torch_device.type == "cuda" and self.quantization == "none"
             return torch.bfloat16 if cuda else torch.float32
         return _DTYPES[self.dtype]
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        if self.kv_cache_dtype == "auto":
+            return torch.bfloat16 if self.quantization == "gguf" else self.torch_dtype
+        return _DTYPES[self.kv_cache_dtype]
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

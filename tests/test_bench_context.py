@@ -8,7 +8,7 @@ from ngramspec.bench.context_bench import QUERY_TOKENS, run
 
 
 def test_context_bench_measures_every_mode_and_context(tiny_model_dirs) -> None:
-    args = argparse.Namespace(dtypes=["float32", "bfloat16"], contexts=[16, 40], tokens=2,
+    args = argparse.Namespace(modes=["float32", "bfloat16"], contexts=[16, 40], tokens=2,
                               repeats=1, model=str(tiny_model_dirs["llama"]), threads=2)
     r = run(args)
     assert set(r) == {"float32", "bfloat16"}

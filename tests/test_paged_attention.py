@@ -15,16 +15,18 @@ from ngramspec.layers.attention import AttentionMetadata, KVCache, PagedAttentio
 H, KVH = 6, 2
 
 
-def _case(rng: random.Random, num_seqs: int, dim: int, dtype: torch.dtype):
-    """Random sequences: each a cached prefix and 1-9 query tokens under a random tree mask."""
-    cache = KVCache(1, 400, KVH, dim, dtype, torch.device("cpu"))
+def _case(rng: random.Random, num_seqs: int, dim: int, dtype: torch.dtype, max_prefix: int = 40):
+    """Random sequences: each a cached prefix and 1-9 query tokens under a random tree mask.
+    Prefixes past 256 keys span several of the kernel's key chunks."""
+    slots = num_seqs * (max_prefix + 10) + 1
+    cache = KVCache(1, slots, KVH, dim, dtype, torch.device("cpu"))
     cache.k.normal_()
     cache.v.normal_()
-    free = list(range(1, 400))
+    free = list(range(1, slots))
     rng.shuffle(free)
     seqs = []
     for _ in range(num_seqs):
-        prefix = [free.pop() for _ in range(rng.randint(0, 40))]
+        prefix = [free.pop() for _ in range(rng.randint(0, max_prefix))]
         n = rng.randint(1, 9)
         parents = [-1] + [rng.randrange(i) for i in range(1, n)]
         visible = []
@@ -76,11 +78,12 @@ def _reference(cache, seqs, q) -> torch.Tensor:
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("dim", [64, 24, 16])  # 24 and 16: the scalar path of the tiny models
+@pytest.mark.parametrize("dim", [64, 24, 16])  # 24: the scalar path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_brute_force_softmax(dim, dtype):
-    rng = random.Random(dim)
-    cache, seqs = _case(rng, 5, dim, dtype)
+@pytest.mark.parametrize("max_prefix", [40, 700])
+def test_matches_brute_force_softmax(dim, dtype, max_prefix):
+    rng = random.Random(dim + max_prefix)
+    cache, seqs = _case(rng, 5, dim, dtype, max_prefix)
     n = sum(len(s[1]) for s in seqs)
     q, k, v = (torch.randn(n, heads, dim).to(dtype) for heads in (H, KVH, KVH))
     out = _run(cache, seqs, q, k, v)
@@ -91,14 +94,15 @@ def test_matches_brute_force_softmax(dim, dtype):
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.integers(0, 2**31), st.sampled_from([torch.float32, torch.bfloat16]))
-def test_a_token_alone_equals_the_token_in_a_batch(seed, dtype):
+@given(st.integers(0, 2**31), st.sampled_from([torch.float32, torch.bfloat16]),
+       st.sampled_from([40, 600]), st.sampled_from([64, 24]))
+def test_a_token_alone_equals_the_token_in_a_batch(seed, dtype, max_prefix, dim):
     """Token i of a tree, run with its ancestors' K/V already cached as its prefix (what plain
     decoding does later), gives bitwise the output it got inside the tree."""
     rng = random.Random(seed)
-    cache, seqs = _case(rng, 3, 64, dtype)
+    cache, seqs = _case(rng, 3, dim, dtype, max_prefix)
     n = sum(len(s[1]) for s in seqs)
-    q, k, v = (torch.randn(n, heads, 64).to(dtype) for heads in (H, KVH, KVH))
+    q, k, v = (torch.randn(n, heads, dim).to(dtype) for heads in (H, KVH, KVH))
     batch = _run(cache, seqs, q, k, v)
     t = 0
     for pre, slots, visible in seqs:

@@ -6,6 +6,14 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+# Named weight modes the benchmarks compare: LLM options for each.
+WEIGHT_MODES: dict[str, dict[str, str]] = {
+    "float32": dict(dtype="float32", quantization="none"),
+    "bfloat16": dict(dtype="bfloat16", quantization="none"),
+    "gguf": dict(quantization="gguf"),  # GGUF block kernels, bf16 K/V
+    "gguf-kv-fp32": dict(quantization="gguf", kv_cache_dtype="float32"),
+}
+
 
 def emit(result: dict[str, Any], as_json: bool, print_results: Callable[[dict[str, Any]], None]) -> int:
     """Print a benchmark's result as one JSON object or as its tables; the command's exit code."""

@@ -11,7 +11,7 @@ import argparse
 import time
 from typing import Any
 
-from ngramspec.bench import emit
+from ngramspec.bench import WEIGHT_MODES, emit
 from ngramspec.engine.cost_model import time_forward
 from ngramspec.llm import LLM
 from ngramspec.sampling_params import SamplingParams
@@ -38,8 +38,8 @@ def decode_ms(llm: LLM, context: int, tokens: int, repeats: int) -> float:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for dtype in args.dtypes:
-        llm = LLM(args.model, dtype=dtype, num_threads=args.threads,
+    for mode in args.modes:
+        llm = LLM(args.model, **WEIGHT_MODES[mode], num_threads=args.threads,
                   max_model_len=max(args.contexts) + 2 * args.tokens + 64)
         engine = llm.engine
         rows = {}
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       for q in QUERY_TOKENS}
             rows[ctx] = {"decode_ms": decode_ms(llm, ctx, args.tokens, args.repeats),
                          "verify_rel": {q: verify[q] / verify[1] for q in QUERY_TOKENS}}
-        out[dtype] = rows
+        out[mode] = rows
     return out
 
 
@@ -57,11 +57,11 @@ def print_results(r: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title="plain decode ms/token and verify cost (q tokens / 1 token) by context")
-    for col in ("dtype", "context", "decode ms/token", *(f"q={q}" for q in QUERY_TOKENS[1:])):
+    for col in ("mode", "context", "decode ms/token", *(f"q={q}" for q in QUERY_TOKENS[1:])):
         table.add_column(col, justify="right")
-    for dtype, rows in r.items():
+    for mode, rows in r.items():
         for ctx, row in rows.items():
-            table.add_row(dtype, str(ctx), f"{row['decode_ms']:.1f}",
+            table.add_row(mode, str(ctx), f"{row['decode_ms']:.1f}",
                           *(f"{row['verify_rel'][q]:.2f}x" for q in QUERY_TOKENS[1:]))
     Console().print(table)
 
@@ -74,7 +74,7 @@ def register(subparsers: Any) -> None:
     """Add `context` under the main CLI's `bench` subcommands."""
     p = subparsers.add_parser("context", help="decode ms/token and verify curve by context length",
                               description=__doc__.splitlines()[0])
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--modes", nargs="+", choices=sorted(WEIGHT_MODES), default=["float32", "gguf"])
     p.add_argument("--contexts", nargs="+", type=int, default=[128, 512, 1024, 2048, 3500])
     p.add_argument("--tokens", type=int, default=32, help="decoded tokens per timing")
     p.add_argument("--repeats", type=int, default=2)

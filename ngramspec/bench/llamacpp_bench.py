@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ngramspec.bench import emit
+from ngramspec.bench import WEIGHT_MODES, emit
 from ngramspec.bench.context_bench import QUERY_TOKENS, decode_ms
 from ngramspec.engine.cost_model import time_forward
 from ngramspec.llm import LLM
@@ -33,9 +33,6 @@ STREAMS = Path(__file__).resolve().parents[2] / "data" / "streams"
 # workload -> (stream file, tokens per request, prompts kept: None = all, "category" = one each)
 WORKLOADS = {"code_edit": ("code_edit.jsonl", 320, None),
              "spec_bench": ("spec_bench.jsonl", 96, "category")}
-# our modes -> LLM options
-MODES = {"gguf": dict(quantization="gguf"), "float32": dict(dtype="float32"),
-         "bfloat16": dict(dtype="bfloat16")}
 
 
 def load_prompts(streams: Path, workload: str, limit: int | None) -> list[tuple[str, list[int]]]:
@@ -103,7 +100,8 @@ class LlamaCpp:
 
         n = len(prompts)
         params = llama_cpp.llama_context_default_params()
-        params.n_ctx = sum(len(p) for p in prompts) + n * (max_tokens + 8)
+        per_seq = max(len(p) for p in prompts) + max_tokens + 8
+        params.n_ctx = n * per_seq  # llama.cpp splits the context evenly over the sequences
         params.n_batch = params.n_ubatch = 512
         params.n_seq_max = n
         params.n_threads = params.n_threads_batch = self.threads
@@ -232,7 +230,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if path is None:
         raise SystemExit("bench llamacpp needs a .gguf model (llama.cpp runs the same file)")
     n_ctx = max([*args.contexts, 4096]) + 64
-    opts = dict(MODES[args.mode], num_threads=args.threads, max_model_len=n_ctx)
+    opts = dict(WEIGHT_MODES[args.mode], num_threads=args.threads, max_model_len=n_ctx)
     plain = LLM(str(path), **opts)
     spec = LLM(str(path), speculative="ngram", **opts)
     engines = {"llama.cpp": LlamaCpp(path, n_ctx, args.threads), "plain": plain, "spec": spec}
@@ -299,7 +297,7 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("llamacpp", help="ours plain/speculative vs llama.cpp on one GGUF",
                               description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="a .gguf file (default: the bundled model)")
-    p.add_argument("--mode", choices=sorted(MODES), default="gguf", help="our weight mode")
+    p.add_argument("--mode", choices=sorted(WEIGHT_MODES), default="gguf", help="our weight mode")
     p.add_argument("--workloads", nargs="*", choices=sorted(WORKLOADS),
                    default=["code_edit", "spec_bench"])
     p.add_argument("--streams", default=str(STREAMS), help="folder of recorded prompt streams")

@@ -1,4 +1,4 @@
-"""bench quality: how far a faster weight mode (bfloat16, ...) drifts from float32.
+"""bench quality: how far a faster weight mode (bfloat16, GGUF blocks, ...) drifts from float32.
 
 On held prompts (one Spec-Bench prompt per category, chat template), float32 decodes greedily;
 then both modes score float32's own tokens (teacher forcing), so every position is compared on
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ngramspec.bench import emit
+from ngramspec.bench import WEIGHT_MODES, emit
 from ngramspec.bench.workloads import limit_per_category, spec_bench
 from ngramspec.engine.model_runner import ForwardItem
 from ngramspec.llm import LLM
@@ -24,7 +24,7 @@ from ngramspec.sampling_params import SamplingParams
 
 @dataclass(slots=True)
 class ModeQuality:
-    dtype: str
+    mode: str
     positions: int
     argmax_agreement: float
     mean_kl: float
@@ -49,7 +49,8 @@ def matching_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def compare(ref: LLM, other: LLM, prompts: list[list[int]], max_tokens: int) -> ModeQuality:
+def compare(ref: LLM, other: LLM, prompts: list[list[int]], max_tokens: int,
+            mode: str) -> ModeQuality:
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     ref_out = [o.token_ids for o in ref.generate(prompts, params)]
     other_out = [o.token_ids for o in other.generate(prompts, params)]
@@ -63,16 +64,16 @@ def compare(ref: LLM, other: LLM, prompts: list[list[int]], max_tokens: int) -> 
         kl += float((p.exp() * (p - q)).sum())
         positions += len(out)
     prefix = sum(matching_prefix(a, b) for a, b in zip(ref_out, other_out)) / len(prompts)
-    dtype = other.config.dtype
-    return ModeQuality(dtype, positions, agree / max(positions, 1), kl / max(positions, 1), prefix)
+    return ModeQuality(mode, positions, agree / max(positions, 1), kl / max(positions, 1), prefix)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     questions = limit_per_category(spec_bench(args.spec_bench_path), 1)
     common = dict(model=args.model, num_threads=args.threads)
-    ref = LLM(dtype="float32", **common)
+    ref = LLM(**WEIGHT_MODES["float32"], **common)
     prompts = [ref.apply_chat_template([{"role": "user", "content": q.text}]) for q in questions]
-    modes = [compare(ref, LLM(dtype=d, **common), prompts, args.max_tokens) for d in args.dtypes]
+    modes = [compare(ref, LLM(**WEIGHT_MODES[m], **common), prompts, args.max_tokens, m)
+             for m in args.modes]
     return {"prompts": len(prompts), "max_tokens": args.max_tokens,
             "modes": [asdict(m) for m in modes]}
 
@@ -83,11 +84,11 @@ def print_results(r: dict[str, Any]) -> None:
 
     table = Table(title=f"quality vs float32: {r['prompts']} prompts, {r['max_tokens']} greedy "
                         "tokens each (teacher-forced on float32's output)")
-    for col in ("dtype", "positions", "argmax agreement", "mean KL (nats)",
+    for col in ("mode", "positions", "argmax agreement", "mean KL (nats)",
                 "free-run matching prefix"):
         table.add_column(col, justify="right")
     for m in r["modes"]:
-        table.add_row(m["dtype"], str(m["positions"]), f"{m['argmax_agreement']:.4f}",
+        table.add_row(m["mode"], str(m["positions"]), f"{m['argmax_agreement']:.4f}",
                       f"{m['mean_kl']:.5f}", f"{m['mean_matching_prefix']:.1f}")
     Console().print(table)
 
@@ -100,7 +101,8 @@ def register(subparsers: Any) -> None:
     """Add `quality` under the main CLI's `bench` subcommands."""
     p = subparsers.add_parser("quality", help="greedy agreement and KL of faster modes vs float32",
                               description=__doc__.splitlines()[0])
-    p.add_argument("--dtypes", nargs="+", default=["bfloat16"], help="modes to compare")
+    p.add_argument("--modes", nargs="+", choices=sorted(WEIGHT_MODES), default=["bfloat16", "gguf"],
+                   help="modes to compare with float32")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--model", default=None)
     p.add_argument("--threads", type=int, default=None)

@@ -58,10 +58,11 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len, self.model_cfg.max_position_embeddings)
         dtype, device = config.torch_dtype, config.torch_device
         per_slot = KVCache.bytes_per_slot(self.model_cfg.num_layers, self.model_cfg.num_kv_heads,
-                                          self.model_cfg.head_dim, dtype)
+                                          self.model_cfg.head_dim, config.torch_kv_dtype)
         num_slots = max(2, config.kv_cache_bytes // per_slot)
         self.runner = ModelRunner(self.model_cfg, load_state_dict(model_dir), num_slots,
-                                  self.max_model_len, dtype, device, self._gguf_weights(config))
+                                  self.max_model_len, dtype, device, self._gguf_weights(config),
+                                  config.torch_kv_dtype)
         self.scheduler = Scheduler(num_slots, config.max_num_seqs, config.max_num_batched_tokens)
         # A sequence longer than the whole cache could never be rescheduled (it would wait forever),
         # so it must end with "length" before it gets there.

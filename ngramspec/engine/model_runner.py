@@ -34,8 +34,9 @@ class ForwardItem:
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, state: dict[str, torch.Tensor], num_slots: int,
                  max_model_len: int, dtype: torch.dtype, device: torch.device,
-                 gguf_weights: dict | None = None) -> None:
-        """`gguf_weights` ({HF name: GGUFWeight}): matrices to run from their GGUF blocks."""
+                 gguf_weights: dict | None = None, kv_dtype: torch.dtype | None = None) -> None:
+        """`gguf_weights` ({HF name: GGUFWeight}): matrices to run from their GGUF blocks;
+        `kv_dtype`: the K/V cache's dtype (default: `dtype`)."""
         self.device, self.dtype = device, dtype
         self.model_cfg = model_cfg
         with torch.device(device):
@@ -53,8 +54,12 @@ class ModelRunner:
             self.model.attention = PagedAttention()
             self.model.use_cpu_kernels(cpu_kernels())
         pack_linears(self.model)
+        kv_dtype = kv_dtype or dtype
+        if kv_dtype != dtype and not self.paged:
+            raise ValueError(f"a {kv_dtype} KV cache under {dtype} activations needs the CPU "
+                             "attention kernel; use the same dtype on this device")
         self.cache = KVCache(model_cfg.num_layers, num_slots, model_cfg.num_kv_heads,
-                             model_cfg.head_dim, dtype, device)
+                             model_cfg.head_dim, kv_dtype, device)
         self._causal: dict[int, torch.Tensor] = {}
         self._tril: dict[int, torch.Tensor] = {}
 

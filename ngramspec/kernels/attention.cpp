@@ -5,16 +5,22 @@
 // that sequence's query tokens) followed by its own visible query tokens (itself, and for a tree
 // node its ancestors). No gather into a padded copy, no [queries x context] mask.
 //
-// Batch invariance: a query's output depends only on its ordered key list, computed with one
-// fixed instruction sequence per (query, key) and one fixed reduction order over the list (score
-// j goes to lane j % 16 of the softmax sum; values accumulate in key order). A token decoded alone
-// and the same token inside a draft tree see the same list (prefix + tree ancestors, in position
-// order), so they get bitwise-equal outputs: speculation is lossless in every dtype.
+// The list is cut into chunks of kChunk keys at fixed list indices; each chunk gives a partial
+// softmax (max, sum, weighted values) and the partials merge in chunk order (split-K, as flash
+// decoding does). Work items are (token, chunk, kv head), so a long context spreads over the
+// threads even for one decode token.
+//
+// Batch invariance: a query's output depends only on its ordered key list: one fixed instruction
+// sequence per (query, key), chunk boundaries and 16-key blocks at fixed list indices, fixed
+// reduction orders within and across chunks. A token decoded alone and the same token inside a
+// draft tree see the same list (prefix + tree ancestors, in position order), so they get
+// bitwise-equal outputs: speculation is lossless in every dtype.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -28,7 +34,6 @@
 
 namespace {
 
-constexpr int kTile = 4;  // query tokens of one sequence sharing each key load
 
 template <typename T>
 inline float to_float(T v) { return static_cast<float>(v); }
@@ -43,132 +48,147 @@ inline __m512 load16(const c10::BFloat16* p) {
 
 #endif
 
-// One (sequence, query head) work item's state, reused across items on a thread.
-struct Scratch {
-  std::vector<float> scores;  // [kTile, L]
-};
+constexpr int64_t kChunk = 256;  // keys per partial softmax (a multiple of 16)
 
-template <typename T>
-struct Args {
-  const T* q;        // [Tq, H, D], rows q_stride apart
-  int64_t q_stride;
-  const T* kc;       // [S, KVH, D]
-  const T* vc;
-  T* out;            // [Tq, H * D]
-  int64_t H, KVH, D;
-  const int64_t* prefix;  // this sequence's prefix slots
+// A query's ordered key list: its sequence's prefix, then its own visible query-token slots.
+struct KeyList {
+  const int64_t* prefix;
   int64_t P;
-  const int64_t* local;          // [N] all tokens' local slots
-  const int64_t* local_offsets;  // [Tq + 1]
-  float scale;
+  const int64_t* local;
+  int64_t L;  // total length
+  inline int64_t slot(int64_t i) const { return i < P ? prefix[i] : local[i - P]; }
 };
 
-// Score of query row (t, h) against cache slot s.
 template <typename T>
-inline float dot(const Args<T>& a, const float* qv, int64_t s, int64_t g) {
-  const T* k = a.kc + (s * a.KVH + g) * a.D;
+struct Cache {
+  const T* k;
+  const T* v;
+  int64_t KVH, D;
+  inline const T* krow(int64_t slot, int64_t g) const { return k + (slot * KVH + g) * D; }
+  inline const T* vrow(int64_t slot, int64_t g) const { return v + (slot * KVH + g) * D; }
+};
+
 #if defined(__AVX512F__)
-  if (a.D % 16 == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < a.D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qv + d), load16(k + d), acc);
-    return _mm512_reduce_add_ps(acc) * a.scale;
-  }
-#endif
-  float acc = 0.0f;
-  for (int64_t d = 0; d < a.D; ++d) acc = std::fma(qv[d], to_float(k[d]), acc);
-  return acc * a.scale;
+
+// r[j] = sum of the 16 lanes of a[j], for 16 vectors at once (a transpose-add tree).
+inline __m512 hsum16(__m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
 }
 
-// softmax over scores[0, L) in place; returns 1 / sum.
-inline float softmax_inplace(float* s, int64_t L) {
-  float mx = -INFINITY;
-  for (int64_t j = 0; j < L; ++j) mx = std::max(mx, s[j]);
-#if defined(__AVX512F__)
+// Partial softmax attention of one query (ND * 16 dims) over list indices [i0, i1), i0 % 16 == 0:
+// out = [max, sum, acc[0 .. D)] with acc = sum_i exp(s_i - max) v_i.
+template <typename T, int ND>
+void chunk_partial(const Cache<T>& c, int64_t g, const float* qv, const KeyList& keys, int64_t i0,
+                   int64_t i1, float scale, float* out) {
+  __m512 q[ND];
+  for (int d = 0; d < ND; ++d) q[d] = _mm512_loadu_ps(qv + 16 * d);
+  alignas(64) float sc[kChunk];
+  const int64_t n = i1 - i0;
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t nk = std::min<int64_t>(16, n - j0);
+    __m512 acc[16];
+    for (int j = 0; j < 16; ++j) {
+      acc[j] = _mm512_setzero_ps();
+      if (j < nk) {
+        const T* k = c.krow(keys.slot(i0 + j0 + j), g);
+        for (int d = 0; d < ND; ++d) acc[j] = _mm512_fmadd_ps(q[d], load16(k + 16 * d), acc[j]);
+      }
+    }
+    const __mmask16 m = static_cast<__mmask16>(nk == 16 ? 0xFFFF : (1u << nk) - 1);
+    const __m512 s = _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale));
+    _mm512_store_ps(sc + j0, s);
+    vmax = _mm512_mask_max_ps(vmax, m, vmax, s);
+  }
+  const float mx = _mm512_reduce_max_ps(vmax);
   const __m512 vmx = _mm512_set1_ps(mx);
   __m512 vsum = _mm512_setzero_ps();
-  int64_t j = 0;
-  for (; j + 16 <= L; j += 16) {
-    const __m512 e = ngramspec::exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), vmx));
-    _mm512_storeu_ps(s + j, e);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t nk = std::min<int64_t>(16, n - j0);
+    const __mmask16 m = static_cast<__mmask16>(nk == 16 ? 0xFFFF : (1u << nk) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(m, ngramspec::exp16(_mm512_sub_ps(_mm512_load_ps(sc + j0), vmx)));
+    _mm512_store_ps(sc + j0, e);
     vsum = _mm512_add_ps(vsum, e);
   }
-  if (j < L) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (L - j)) - 1);
-    const __m512 e = ngramspec::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vmx));
-    _mm512_mask_storeu_ps(s + j, m, e);
-    vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
+  __m512 acc[ND];
+  for (int d = 0; d < ND; ++d) acc[d] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const T* v = c.vrow(keys.slot(i0 + j), g);
+    const __m512 p = _mm512_set1_ps(sc[j]);
+    for (int d = 0; d < ND; ++d) acc[d] = _mm512_fmadd_ps(p, load16(v + 16 * d), acc[d]);
   }
-  return 1.0f / _mm512_reduce_add_ps(vsum);
-#else
-  float lanes[16] = {0};
-  for (int64_t j = 0; j < L; ++j) {
-    s[j] = std::exp(s[j] - mx);
-    lanes[j % 16] += s[j];
-  }
-  float sum = 0;
-  for (int i = 0; i < 16; ++i) sum += lanes[i];
-  return 1.0f / sum;
-#endif
+  out[0] = mx;
+  out[1] = _mm512_reduce_add_ps(vsum);
+  for (int d = 0; d < ND; ++d) _mm512_storeu_ps(out + 2 + 16 * d, acc[d]);
 }
 
-// acc[0, D) += p * v[slot]
+#endif
+
+// Portable partial (any head size): the same chunking, scalar arithmetic.
 template <typename T>
-inline void axpy(const Args<T>& a, float p, int64_t s, int64_t g, float* acc) {
-  const T* v = a.vc + (s * a.KVH + g) * a.D;
+void chunk_partial_scalar(const Cache<T>& c, int64_t g, const float* qv, const KeyList& keys,
+                          int64_t i0, int64_t i1, float scale, float* out) {
+  float sc[kChunk];
+  float mx = -INFINITY;
+  for (int64_t i = i0; i < i1; ++i) {
+    const T* k = c.krow(keys.slot(i), g);
+    float acc = 0.0f;
+    for (int64_t d = 0; d < c.D; ++d) acc = std::fma(qv[d], to_float(k[d]), acc);
+    sc[i - i0] = acc * scale;
+    mx = std::max(mx, sc[i - i0]);
+  }
+  float sum = 0.0f;
+  float* acc = out + 2;
+  for (int64_t d = 0; d < c.D; ++d) acc[d] = 0.0f;
+  for (int64_t i = i0; i < i1; ++i) {
+    const float p = std::exp(sc[i - i0] - mx);
+    sum += p;
+    const T* v = c.vrow(keys.slot(i), g);
+    for (int64_t d = 0; d < c.D; ++d) acc[d] = std::fma(p, to_float(v[d]), acc[d]);
+  }
+  out[0] = mx;
+  out[1] = sum;
+}
+
+template <typename T>
+void partial(const Cache<T>& c, int64_t g, const float* qv, const KeyList& keys, int64_t chunk,
+             float scale, float* out) {
+  const int64_t i0 = chunk * kChunk, i1 = std::min(keys.L, i0 + kChunk);
 #if defined(__AVX512F__)
-  if (a.D % 16 == 0) {
-    const __m512 vp = _mm512_set1_ps(p);
-    for (int64_t d = 0; d < a.D; d += 16)
-      _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(vp, load16(v + d), _mm512_loadu_ps(acc + d)));
-    return;
+  switch (c.D) {
+    case 64: return chunk_partial<T, 4>(c, g, qv, keys, i0, i1, scale, out);
+    case 128: return chunk_partial<T, 8>(c, g, qv, keys, i0, i1, scale, out);
+    case 16: return chunk_partial<T, 1>(c, g, qv, keys, i0, i1, scale, out);
+    case 32: return chunk_partial<T, 2>(c, g, qv, keys, i0, i1, scale, out);
+    default: break;
   }
 #endif
-  for (int64_t d = 0; d < a.D; ++d) acc[d] = std::fma(p, to_float(v[d]), acc[d]);
+  chunk_partial_scalar<T>(c, g, qv, keys, i0, i1, scale, out);
 }
 
-// Query rows [t0, t1) of one sequence (t1 - t0 <= kTile), head h.
-template <typename T>
-void attend_tile(const Args<T>& a, int64_t t0, int64_t t1, int64_t h, Scratch& scratch) {
-  const int64_t g = h / (a.H / a.KVH), n = t1 - t0;
-  int64_t max_local = 0;
-  for (int64_t t = t0; t < t1; ++t)
-    max_local = std::max(max_local, a.local_offsets[t + 1] - a.local_offsets[t]);
-  const int64_t width = a.P + max_local;
-  scratch.scores.resize(static_cast<size_t>(kTile * width));
-  float qv[kTile][256], acc[kTile][256];
-  for (int64_t i = 0; i < n; ++i) {
-    const T* q = a.q + (t0 + i) * a.q_stride + h * a.D;
-    for (int64_t d = 0; d < a.D; ++d) {
-      qv[i][d] = to_float(q[d]);
-      acc[i][d] = 0.0f;
-    }
-  }
-  float* sc = scratch.scores.data();
-  for (int64_t j = 0; j < a.P; ++j)  // shared prefix: each key row is read once for the tile
-    for (int64_t i = 0; i < n; ++i) sc[i * width + j] = dot(a, qv[i], a.prefix[j], g);
-  float inv[kTile];
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t lo = a.local_offsets[t0 + i], hi = a.local_offsets[t0 + i + 1];
-    for (int64_t j = lo; j < hi; ++j) sc[i * width + a.P + (j - lo)] = dot(a, qv[i], a.local[j], g);
-    inv[i] = softmax_inplace(sc + i * width, a.P + hi - lo);
-  }
-  for (int64_t j = 0; j < a.P; ++j)
-    for (int64_t i = 0; i < n; ++i) axpy(a, sc[i * width + j], a.prefix[j], g, acc[i]);
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t lo = a.local_offsets[t0 + i], hi = a.local_offsets[t0 + i + 1];
-    for (int64_t j = lo; j < hi; ++j) axpy(a, sc[i * width + a.P + (j - lo)], a.local[j], g, acc[i]);
-    T* o = a.out + (t0 + i) * a.H * a.D + h * a.D;
-    for (int64_t d = 0; d < a.D; ++d) o[d] = static_cast<T>(acc[i][d] * inv[i]);
-  }
-}
-
+// The step's K/V rows into the cache, converted to the cache's dtype (round to nearest even).
 template <typename T>
 void write_rows(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slots) {
-  const int64_t n = src.size(0), row = src.size(1) * src.size(2), ld = src.stride(0);
-  const T* s = src.data_ptr<T>();
+  const int64_t n = src.size(0), row = src.size(1) * src.size(2);
+  const torch::Tensor rows = src.to(cache.scalar_type()).reshape({n, row}).contiguous();
+  const T* s = rows.data_ptr<T>();
   T* c = cache.data_ptr<T>();
-  for (int64_t i = 0; i < n; ++i) std::memcpy(c + slots[i] * row, s + i * ld, row * sizeof(T));
+  for (int64_t i = 0; i < n; ++i) std::memcpy(c + slots[i] * row, s + i * row, row * sizeof(T));
 }
+
+struct Item {
+  int64_t token, chunk, group;
+};
 
 template <typename T>
 torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -176,32 +196,75 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
                   const torch::Tensor& seq_offsets, const torch::Tensor& prefix,
                   const torch::Tensor& prefix_offsets, const torch::Tensor& local,
                   const torch::Tensor& local_offsets, double scale) {
-  const int64_t Tq = q.size(0), H = q.size(1), D = q.size(2), KVH = kc.size(1);
+  const int64_t Tq = q.size(0), H = q.size(1), D = q.size(2), KVH = kc.size(1), G = H / KVH;
   write_rows<T>(k, kc, slot_mapping.data_ptr<int64_t>());
   write_rows<T>(v, vc, slot_mapping.data_ptr<int64_t>());
-  torch::Tensor out = torch::empty({Tq, H * D}, q.options());
+  torch::Tensor out = torch::empty({Tq, H * D}, q.options().dtype(torch::kFloat32));
   const int64_t B = seq_offsets.size(0) - 1;
   const int64_t* so = seq_offsets.data_ptr<int64_t>();
   const int64_t* po = prefix_offsets.data_ptr<int64_t>();
-  // Work items: (sequence, tile of its query tokens, head).
-  std::vector<int64_t> item_seq, item_t0;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = so[b]; t < so[b + 1]; t += kTile) {
-      item_seq.push_back(b);
-      item_t0.push_back(t);
+  const int64_t* lo = local_offsets.data_ptr<int64_t>();
+  const int64_t* pre = prefix.data_ptr<int64_t>();
+  const int64_t* loc = local.data_ptr<int64_t>();
+  // Per token: its key list, its number of chunks and where its partials start.
+  std::vector<KeyList> lists(Tq);
+  std::vector<int64_t> base(Tq + 1, 0);
+  std::vector<Item> items;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t P = po[b + 1] - po[b];
+    int64_t most = 0;
+    for (int64_t t = so[b]; t < so[b + 1]; ++t) {
+      lists[t] = {pre + po[b], P, loc + lo[t], P + lo[t + 1] - lo[t]};
+      const int64_t chunks = (lists[t].L + kChunk - 1) / kChunk;
+      base[t + 1] = base[t] + chunks;
+      most = std::max(most, chunks);
     }
-  const int64_t items = static_cast<int64_t>(item_seq.size()) * H;
-  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
-    Scratch scratch;
+    // chunk-major, so a thread's consecutive items reuse the same keys from cache; equal-sized
+    // items, so parallel_for's even split is an even split of the work
+    for (int64_t c = 0; c < most; ++c)
+      for (int64_t t = so[b]; t < so[b + 1]; ++t)
+        if (c < base[t + 1] - base[t])
+          for (int64_t g = 0; g < KVH; ++g) items.push_back({t, c, g});
+  }
+  // queries as float32, each [D]
+  torch::Tensor qf = q.to(torch::kFloat32).contiguous();
+  const float* qp = qf.data_ptr<float>();
+  const int64_t stride = D + 2;
+  std::vector<float> parts(static_cast<size_t>(base[Tq] * H * stride));
+  const Cache<T> cache{kc.data_ptr<T>(), vc.data_ptr<T>(), KVH, D};
+  const float sc = static_cast<float>(scale);
+  auto part_of = [&](int64_t t, int64_t h, int64_t c) {
+    return parts.data() + ((base[t] + c) * H + h) * stride;
+  };
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t w = i / H, h = i % H, b = item_seq[w], t0 = item_t0[w];
-      Args<T> a{q.data_ptr<T>(), q.stride(0), kc.data_ptr<T>(), vc.data_ptr<T>(), out.data_ptr<T>(), H, KVH, D,
-                prefix.data_ptr<int64_t>() + po[b], po[b + 1] - po[b], local.data_ptr<int64_t>(),
-                local_offsets.data_ptr<int64_t>(), static_cast<float>(scale)};
-      attend_tile<T>(a, t0, std::min(t0 + kTile, so[b + 1]), h, scratch);
+      const Item& it = items[i];
+      const int64_t t = it.token;
+      for (int64_t h = it.group * G; h < (it.group + 1) * G; ++h)
+        partial<T>(cache, it.group, qp + (t * H + h) * D, lists[t], it.chunk, sc, part_of(t, h, it.chunk));
     }
   });
-  return out;
+  // merge each query's chunk partials in chunk order
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, Tq * H, 16, [&](int64_t i0, int64_t i1) {
+    std::vector<float> acc(D);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / H, h = i % H, chunks = base[t + 1] - base[t];
+      float mx = -INFINITY;
+      for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, part_of(t, h, c)[0]);
+      float sum = 0.0f;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float* p = part_of(t, h, c);
+        const float w = std::exp(p[0] - mx);
+        sum = std::fma(w, p[1], sum);
+        for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(w, p[2 + d], acc[d]);
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t d = 0; d < D; ++d) op[t * H * D + h * D + d] = acc[d] * inv;
+    }
+  });
+  return out.to(q.scalar_type());
 }
 
 }  // namespace
@@ -219,9 +282,11 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k, co
   for (const torch::Tensor* t : {&q, &k, &v, static_cast<const torch::Tensor*>(&k_cache),
                                  static_cast<const torch::Tensor*>(&v_cache)})
     TORCH_CHECK(t->device().is_cpu() && t->dim() == 3 && t->stride(2) == 1 &&
-                    t->stride(1) == t->size(2) && t->scalar_type() == q.scalar_type(),
-                "paged_attention: q, k, v and the caches must be 3-D CPU tensors of one dtype, "
+                    t->stride(1) == t->size(2) &&
+                    (t->scalar_type() == torch::kFloat32 || t->scalar_type() == torch::kBFloat16),
+                "paged_attention: q, k, v and the caches must be 3-D float32/bfloat16 CPU tensors, "
                 "each row's heads contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_attention: K and V caches differ in dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches must be contiguous");
   for (const torch::Tensor* t : {&slot_mapping, &seq_offsets, &prefix, &prefix_offsets, &local, &local_offsets})
     TORCH_CHECK(t->scalar_type() == torch::kLong && t->is_contiguous(),
@@ -230,10 +295,10 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k, co
               "paged_attention: head_dim <= 256 and heads a multiple of kv heads");
   TORCH_CHECK(local_offsets.size(0) == q.size(0) + 1 && slot_mapping.size(0) == q.size(0),
               "paged_attention: one slot and one local list per query token");
-  if (q.scalar_type() == torch::kFloat32)
+  // T is the cache's dtype; queries are read as float32 and the output has q's dtype
+  if (k_cache.scalar_type() == torch::kFloat32)
     return run<float>(q, k, v, k_cache, v_cache, slot_mapping, seq_offsets, prefix,
                       prefix_offsets, local, local_offsets, scale);
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "paged_attention: float32 or bfloat16 only");
   return run<c10::BFloat16>(q, k, v, k_cache, v_cache, slot_mapping, seq_offsets, prefix,
                             prefix_offsets, local, local_offsets, scale);
 }
