@@ -16,9 +16,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    g.add_argument("--quantization", default="none", choices=["none", "gguf"],
+    g.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf"],
                    help="gguf: run a GGUF model's Q4_0/Q4_1/Q8_0 blocks with the native CPU "
-                        "kernel (float32 activations) instead of dequantising them")
+                        "kernels (float32 activations); none: dequantise to --dtype; auto "
+                        "(default): gguf for a GGUF model on the CPU unless --dtype is given")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="K/V storage (auto: the activations' dtype; bfloat16 with --quantization gguf)")
     g.add_argument("--max-model-len", type=int, default=4096)

@@ -19,8 +19,9 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
     # "gguf": keep a GGUF model's Q4_0/Q4_1/Q8_0 matrices in their blocks and run them with the
-    # native CPU kernel (float32 activations); "none": dequantise every weight to `dtype`.
-    quantization: Literal["none", "gguf"] = "none"
+    # native CPU kernels (float32 activations); "none": dequantise every weight to `dtype`;
+    # "auto": "gguf" for a GGUF model on the CPU when dtype is "auto", else "none".
+    quantization: Literal["auto", "none", "gguf"] = "auto"
     # K/V storage: "auto" = the activations' dtype, except bfloat16 for quantization="gguf" (half
     # the bytes that long-context attention streams; its quality is in `bench quality`).
     # bfloat16 under float32 activations needs the CPU attention kernel.
@@ -46,8 +47,9 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name}={value!r} must be a positive integer")
         if self.dtype not in _DTYPES and self.dtype != "auto":
             raise ValueError(f"EngineConfig.dtype={self.dtype!r}: choose auto, {', '.join(_DTYPES)}")
-        if self.quantization not in ("none", "gguf"):
-            raise ValueError(f"EngineConfig.quantization={self.quantization!r}: use none or gguf")
+        if self.quantization not in ("auto", "none", "gguf"):
+            raise ValueError(f"EngineConfig.quantization={self.quantization!r}: "
+                             "use auto, none or gguf")
         if self.quantization == "gguf" and self.dtype not in ("auto", "float32", "fp32"):
             raise ValueError(f"quantization='gguf' computes in float32; dtype={self.dtype!r} "
                              "does not apply (use dtype='auto' or 'float32')")
@@ -81,16 +83,24 @@ class EngineConfig:
         return torch.device(self.device)
 
     @property
+    def uses_gguf_kernels(self) -> bool:
+        """Whether the model's GGUF blocks run on the CPU kernels (quantization resolved)."""
+        if self.quantization != "auto":
+            return self.quantization == "gguf"
+        model_is_gguf = self.model is None or str(self.model).endswith(".gguf")
+        return model_is_gguf and self.dtype == "auto" and self.torch_device.type == "cpu"
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            cuda = self.torch_device.type == "cuda" and self.quantization == "none"
+            cuda = self.torch_device.type == "cuda" and not self.uses_gguf_kernels
             return torch.bfloat16 if cuda else torch.float32
         return _DTYPES[self.dtype]
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:
         if self.kv_cache_dtype == "auto":
-            return torch.bfloat16 if self.quantization == "gguf" else self.torch_dtype
+            return torch.bfloat16 if self.uses_gguf_kernels else self.torch_dtype
         return _DTYPES[self.kv_cache_dtype]
 
     @classmethod

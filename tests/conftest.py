@@ -68,7 +68,7 @@ def model_dir() -> Path:
 def llm():
     from ngramspec import LLM
 
-    return LLM(num_threads=NUM_THREADS)
+    return LLM(num_threads=NUM_THREADS, dtype="float32")  # golden against HF transformers
 
 
 @pytest.fixture(scope="session")

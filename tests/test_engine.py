@@ -12,7 +12,7 @@ from ngramspec import LLM, SamplingParams
 @pytest.fixture(scope="module")
 def chunked_llm():
     """Prefill runs in chunks of at most 16 tokens per step."""
-    return LLM(num_threads=NUM_THREADS, max_num_batched_tokens=16)
+    return LLM(num_threads=NUM_THREADS, dtype="float32", max_num_batched_tokens=16)
 
 
 def _drain(engine, outputs: dict[str, list[int]]) -> None:

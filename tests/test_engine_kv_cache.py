@@ -218,7 +218,7 @@ def test_preemption_never_corrupts_running_requests(prompt_ids, greedy_alone) ->
     chosen = [i for i, (kind, _) in enumerate(PROMPTS) if kind == "raw"]
     usable = sum(len(prompt_ids[i]) for i in chosen) + 24
     per_slot = KVCache.bytes_per_slot(30, 3, 64, torch.float32)
-    llm = LLM(num_threads=NUM_THREADS, kv_cache_bytes=(usable + 1) * per_slot,
+    llm = LLM(num_threads=NUM_THREADS, dtype="float32", kv_cache_bytes=(usable + 1) * per_slot,
               max_num_batched_tokens=16)
     preempt, count = llm.engine.scheduler.preempt, [0]
     llm.engine.scheduler.preempt = lambda seq: (count.__setitem__(0, count[0] + 1), preempt(seq))

@@ -19,7 +19,7 @@ FLAT_COST = [1.0] * 14  # verify cost independent of size: always draft the full
 
 @pytest.fixture(scope="module")
 def spec_llm(llm):
-    return LLM(num_threads=2, speculative="ngram", verify_cost=FLAT_COST)
+    return LLM(num_threads=2, dtype="float32", speculative="ngram", verify_cost=FLAT_COST)
 
 
 def test_greedy_spec_equals_plain_on_many_prompts(llm, spec_llm):
@@ -101,7 +101,7 @@ class OracleDrafter:
 def _with_oracle(prompts, futures_params):
     """Run `prompts` on an engine whose injected drafter knows each request's future."""
     futures = {f"oracle-{i}": future for i, (future, _) in enumerate(futures_params)}
-    engine = LLM(num_threads=2, speculative="ngram", draft_sizing="full",
+    engine = LLM(num_threads=2, dtype="float32", speculative="ngram", draft_sizing="full",
                  custom_drafter=OracleDrafter(futures)).engine
     seqs = [engine.add_request(f"oracle-{i}", prompt, params)
             for i, (prompt, (_, params)) in enumerate(zip(prompts, futures_params))]

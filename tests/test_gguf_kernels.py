@@ -79,3 +79,16 @@ def test_bad_shapes_and_types_are_named():
                                    weight.qtype, None)
     with pytest.raises(RuntimeError, match="bytes a row"):
         cpu_kernels().gguf_linear(torch.randn(2, 96), weight.blocks, weight.qtype, None)
+
+
+def test_quantization_auto_picks_the_gguf_kernels_for_a_gguf_model_on_cpu():
+    from ngramspec.config import EngineConfig
+
+    assert EngineConfig().uses_gguf_kernels  # the bundled GGUF
+    assert EngineConfig().torch_kv_dtype == torch.bfloat16
+    assert not EngineConfig(dtype="float32").uses_gguf_kernels  # the HF-golden mode
+    assert EngineConfig(dtype="float32").torch_kv_dtype == torch.float32
+    assert not EngineConfig(model="/models/llama-dir").uses_gguf_kernels
+    assert EngineConfig(quantization="gguf", model="x.gguf").uses_gguf_kernels
+    with pytest.raises(ValueError, match="computes in float32"):
+        EngineConfig(quantization="gguf", dtype="bfloat16")

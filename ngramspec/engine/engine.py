@@ -7,6 +7,7 @@ learns; the runner computes logits; this class sequences the stages and keeps th
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import time
@@ -26,6 +27,7 @@ from ngramspec.engine.speculator import Speculator
 from ngramspec.engine.stats import EngineStats
 from ngramspec.engine.stops import check_stop
 from ngramspec.engine.verify import VerifyResult, verify_greedy, verify_sampled
+from ngramspec.kernels import kernels_available
 from ngramspec.layers.attention import KVCache
 from ngramspec.models.loader import (
     gguf_file,
@@ -49,6 +51,8 @@ class LLMEngine:
                  drafter: Drafter | None = None) -> None:
         """`corpora`: external corpora the n-gram drafter reads (ignored without speculation);
         `drafter`: use this drafter instead of the one config.drafter describes."""
+        if config.quantization == "auto" and config.uses_gguf_kernels and not kernels_available():
+            config = dataclasses.replace(config, quantization="none")  # no compiler: dense fp32
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -79,7 +83,7 @@ class LLMEngine:
         gc.freeze()
 
     def _gguf_weights(self, config: EngineConfig) -> dict | None:
-        if config.quantization != "gguf":
+        if not config.uses_gguf_kernels:
             return None
         path = gguf_file(config.model)
         if path is None:

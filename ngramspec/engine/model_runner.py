@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ngramspec.kernels import cpu_kernels, kernels_available
 from ngramspec.layers.attention import (
     AttentionGroup,
     AttentionMetadata,
@@ -47,10 +48,9 @@ class ModelRunner:
         if gguf_weights:
             self.model.use_gguf_weights(gguf_weights)
         # The CPU kernel reads K/V in place and is batch-invariant; SDPA stays for CUDA.
-        self.paged = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+        self.paged = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+                      and kernels_available())
         if self.paged:
-            from ngramspec.kernels import cpu_kernels
-
             self.model.attention = PagedAttention()
             self.model.use_cpu_kernels(cpu_kernels())
         pack_linears(self.model)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -48,3 +49,14 @@ def cpu_kernels() -> ModuleType:
             f"cannot build the CPU kernels ({type(e).__name__}: {e}); they need a C++ "
             "compiler (g++) and the `ninja` package"
         ) from e
+
+
+@functools.cache
+def kernels_available() -> bool:
+    """Whether the CPU kernels build here; warns once (with the reason) when they do not."""
+    try:
+        cpu_kernels()
+    except KernelBuildError as e:
+        warnings.warn(f"{e}; falling back to PyTorch ops (slower)", RuntimeWarning, stacklevel=2)
+        return False
+    return True
