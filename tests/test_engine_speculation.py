@@ -226,13 +226,14 @@ def _fields(params: SamplingParams) -> dict:
     return {k: getattr(params, k) for k in params.__slots__}
 
 
-def test_sampling_with_speculation_keeps_the_target_distribution(tiny_model_dirs):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sampling_with_speculation_keeps_the_target_distribution(tiny_model_dirs, dtype):
     prompt = [5, 17, 42, 99, 7, 3]
     params = SamplingParams(temperature=0.9, top_k=6, top_p=0.95, presence_penalty=0.7,
                             max_tokens=3, ignore_eos=True)
-    exact = _exact_joint(_tiny_llm(tiny_model_dirs).engine, prompt, params)
+    exact = _exact_joint(_tiny_llm(tiny_model_dirs, dtype=dtype).engine, prompt, params)
     support = sorted({t for key in exact for t in key})
-    llm = _tiny_llm(tiny_model_dirs, speculative="ngram", draft_sizing="full",
+    llm = _tiny_llm(tiny_model_dirs, dtype=dtype, speculative="ngram", draft_sizing="full",
                     custom_drafter=RandomTreeDrafter(support + [0, 1]))
     engine = llm.engine
     n = 2400

@@ -220,8 +220,8 @@ def run_contexts(engines: dict[str, Any], contexts: list[int], tokens: int,
         ours_ms = decode_ms(plain, ctx, tokens, repeats)
         llama_ms = llama.decode_ms(ctx, tokens, repeats, vocab)
         rows[ctx] = {"ours_ms": ours_ms, "llama_ms": llama_ms, "ratio": ours_ms / llama_ms,
-                     "ours_verify_rel": {q: ours_v[q] / ours_v[1] for q in QUERY_TOKENS},
-                     "llama_verify_rel": {q: llama_v[q] / llama_v[1] for q in QUERY_TOKENS}}
+                     "ours_verify_rel": {str(q): ours_v[q] / ours_v[1] for q in QUERY_TOKENS},
+                     "llama_verify_rel": {str(q): llama_v[q] / llama_v[1] for q in QUERY_TOKENS}}
     return rows
 
 
@@ -281,8 +281,8 @@ def print_results(r: dict[str, Any]) -> None:
                     "ours q=2/4/8/16"):
             table.add_column(col, justify="right")
         for ctx, row in r["contexts"].items():
-            lv = "/".join(f"{row['llama_verify_rel'][q]:.2f}" for q in QUERY_TOKENS[1:])
-            ov = "/".join(f"{row['ours_verify_rel'][q]:.2f}" for q in QUERY_TOKENS[1:])
+            lv = "/".join(f"{row['llama_verify_rel'][str(q)]:.2f}" for q in QUERY_TOKENS[1:])
+            ov = "/".join(f"{row['ours_verify_rel'][str(q)]:.2f}" for q in QUERY_TOKENS[1:])
             table.add_row(str(ctx), f"{row['llama_ms']:.1f}", f"{row['ours_ms']:.1f}",
                           f"{row['ratio']:.2f}x", lv, ov)
         console.print(table)

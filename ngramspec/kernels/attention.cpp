@@ -68,73 +68,108 @@ struct Cache {
   inline const T* vrow(int64_t slot, int64_t g) const { return v + (slot * KVH + g) * D; }
 };
 
+constexpr int kMaxQ = 8;  // queries sharing one pass over a chunk's keys
+
 #if defined(__AVX512F__)
 
-// r[j] = sum of the 16 lanes of a[j], for 16 vectors at once (a transpose-add tree).
-inline __m512 hsum16(__m512* a) {
-  __m512 b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i)
-    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
-                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
-  for (int i = 0; i < 2; ++i)
-    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+// 16 x 16 transpose: c[j] lane i = r[i] lane j.
+inline void transpose16(const __m512* r, __m512* c) {
+  __m512 t[16], u[16], v[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int m = 0; m < 4; ++m) {
+    u[4 * m + 0] = _mm512_shuffle_ps(t[4 * m], t[4 * m + 2], 0x44);
+    u[4 * m + 1] = _mm512_shuffle_ps(t[4 * m], t[4 * m + 2], 0xEE);
+    u[4 * m + 2] = _mm512_shuffle_ps(t[4 * m + 1], t[4 * m + 3], 0x44);
+    u[4 * m + 3] = _mm512_shuffle_ps(t[4 * m + 1], t[4 * m + 3], 0xEE);
+  }
+  for (int k = 0; k < 4; ++k) {
+    v[k] = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88);
+    v[4 + k] = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);
+    v[8 + k] = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
+    v[12 + k] = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
+  }
+  for (int k = 0; k < 4; ++k) {
+    c[k] = _mm512_shuffle_f32x4(v[k], v[8 + k], 0x88);
+    c[8 + k] = _mm512_shuffle_f32x4(v[k], v[8 + k], 0xDD);
+    c[4 + k] = _mm512_shuffle_f32x4(v[4 + k], v[12 + k], 0x88);
+    c[12 + k] = _mm512_shuffle_f32x4(v[4 + k], v[12 + k], 0xDD);
+  }
 }
 
-// Partial softmax attention of one query (ND * 16 dims) over list indices [i0, i1), i0 % 16 == 0:
-// out = [max, sum, acc[0 .. D)] with acc = sum_i exp(s_i - max) v_i.
+// Partial softmax attention of nq <= kMaxQ queries (ND * 16 dims each) over the same list
+// indices [i0, i1) (i0 % 16 == 0): out[n] = [max, sum, acc[0 .. D)], acc = sum_i exp(s_i - max) v_i.
+// Keys go through in transposed 16-key blocks, so a score is one FMA chain over the dims in
+// order, and every block's key loads serve all nq queries. A query's numbers do not depend on nq.
 template <typename T, int ND>
-void chunk_partial(const Cache<T>& c, int64_t g, const float* qv, const KeyList& keys, int64_t i0,
-                   int64_t i1, float scale, float* out) {
-  __m512 q[ND];
-  for (int d = 0; d < ND; ++d) q[d] = _mm512_loadu_ps(qv + 16 * d);
-  alignas(64) float sc[kChunk];
+void chunk_partial(const Cache<T>& c, int64_t g, const float* const* qs, int nq, const KeyList& keys,
+                   int64_t i0, int64_t i1, float scale, float* const* out) {
+  constexpr int D = ND * 16;
+  alignas(64) float sc[kMaxQ][kChunk];
+  alignas(64) float kt[D * 16];  // [D][16 keys]
   const int64_t n = i1 - i0;
-  __m512 vmax = _mm512_set1_ps(-INFINITY);
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t nk = std::min<int64_t>(16, n - j0);
-    __m512 acc[16];
-    for (int j = 0; j < 16; ++j) {
-      acc[j] = _mm512_setzero_ps();
-      if (j < nk) {
-        const T* k = c.krow(keys.slot(i0 + j0 + j), g);
-        for (int d = 0; d < ND; ++d) acc[j] = _mm512_fmadd_ps(q[d], load16(k + 16 * d), acc[j]);
+    for (int d = 0; d < ND; ++d) {
+      __m512 rows[16], cols[16];
+      for (int j = 0; j < 16; ++j)
+        rows[j] = j < nk ? load16(c.krow(keys.slot(i0 + j0 + j), g) + 16 * d) : _mm512_setzero_ps();
+      transpose16(rows, cols);
+      for (int e = 0; e < 16; ++e) _mm512_store_ps(kt + (16 * d + e) * 16, cols[e]);
+    }
+    __m512 acc[kMaxQ];
+    for (int q = 0; q < nq; ++q) acc[q] = _mm512_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+      const __m512 kd = _mm512_load_ps(kt + d * 16);
+      for (int q = 0; q < nq; ++q) acc[q] = _mm512_fmadd_ps(_mm512_set1_ps(qs[q][d]), kd, acc[q]);
+    }
+    for (int q = 0; q < nq; ++q) _mm512_store_ps(sc[q] + j0, _mm512_mul_ps(acc[q], _mm512_set1_ps(scale)));
+  }
+  for (int q = 0; q < nq; ++q) {  // softmax numerators and sums, per query
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const int64_t nk = std::min<int64_t>(16, n - j0);
+      const __mmask16 m = static_cast<__mmask16>(nk == 16 ? 0xFFFF : (1u << nk) - 1);
+      vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_load_ps(sc[q] + j0));
+    }
+    const float mx = _mm512_reduce_max_ps(vmax);
+    const __m512 vmx = _mm512_set1_ps(mx);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const int64_t nk = std::min<int64_t>(16, n - j0);
+      const __mmask16 m = static_cast<__mmask16>(nk == 16 ? 0xFFFF : (1u << nk) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(m, ngramspec::exp16(_mm512_sub_ps(_mm512_load_ps(sc[q] + j0), vmx)));
+      _mm512_store_ps(sc[q] + j0, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    out[q][0] = mx;
+    out[q][1] = _mm512_reduce_add_ps(vsum);
+  }
+  constexpr int QT = ND <= 4 ? 4 : (ND <= 8 ? 2 : 1);  // queries per pass over the values
+  for (int q0 = 0; q0 < nq; q0 += QT) {
+    const int nt = std::min(QT, nq - q0);
+    __m512 acc[QT][ND];
+    for (int q = 0; q < QT; ++q)
+      for (int d = 0; d < ND; ++d) acc[q][d] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const T* v = c.vrow(keys.slot(i0 + j), g);
+      __m512 vv[ND];
+      for (int d = 0; d < ND; ++d) vv[d] = load16(v + 16 * d);
+      for (int q = 0; q < nt; ++q) {
+        const __m512 p = _mm512_set1_ps(sc[q0 + q][j]);
+        for (int d = 0; d < ND; ++d) acc[q][d] = _mm512_fmadd_ps(p, vv[d], acc[q][d]);
       }
     }
-    const __mmask16 m = static_cast<__mmask16>(nk == 16 ? 0xFFFF : (1u << nk) - 1);
-    const __m512 s = _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale));
-    _mm512_store_ps(sc + j0, s);
-    vmax = _mm512_mask_max_ps(vmax, m, vmax, s);
+    for (int q = 0; q < nt; ++q)
+      for (int d = 0; d < ND; ++d) _mm512_storeu_ps(out[q0 + q] + 2 + 16 * d, acc[q][d]);
   }
-  const float mx = _mm512_reduce_max_ps(vmax);
-  const __m512 vmx = _mm512_set1_ps(mx);
-  __m512 vsum = _mm512_setzero_ps();
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const int64_t nk = std::min<int64_t>(16, n - j0);
-    const __mmask16 m = static_cast<__mmask16>(nk == 16 ? 0xFFFF : (1u << nk) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(m, ngramspec::exp16(_mm512_sub_ps(_mm512_load_ps(sc + j0), vmx)));
-    _mm512_store_ps(sc + j0, e);
-    vsum = _mm512_add_ps(vsum, e);
-  }
-  __m512 acc[ND];
-  for (int d = 0; d < ND; ++d) acc[d] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    const T* v = c.vrow(keys.slot(i0 + j), g);
-    const __m512 p = _mm512_set1_ps(sc[j]);
-    for (int d = 0; d < ND; ++d) acc[d] = _mm512_fmadd_ps(p, load16(v + 16 * d), acc[d]);
-  }
-  out[0] = mx;
-  out[1] = _mm512_reduce_add_ps(vsum);
-  for (int d = 0; d < ND; ++d) _mm512_storeu_ps(out + 2 + 16 * d, acc[d]);
 }
 
 #endif
 
-// Portable partial (any head size): the same chunking, scalar arithmetic.
+// Portable partial (any head size): the same chunking, scalar arithmetic, one query at a time.
 template <typename T>
 void chunk_partial_scalar(const Cache<T>& c, int64_t g, const float* qv, const KeyList& keys,
                           int64_t i0, int64_t i1, float scale, float* out) {
@@ -160,23 +195,23 @@ void chunk_partial_scalar(const Cache<T>& c, int64_t g, const float* qv, const K
   out[1] = sum;
 }
 
+// Chunk `chunk` of the key list for nq queries that share it.
 template <typename T>
-void partial(const Cache<T>& c, int64_t g, const float* qv, const KeyList& keys, int64_t chunk,
-             float scale, float* out) {
+void partials(const Cache<T>& c, int64_t g, const float* const* qs, int nq, const KeyList& keys,
+              int64_t chunk, float scale, float* const* out) {
   const int64_t i0 = chunk * kChunk, i1 = std::min(keys.L, i0 + kChunk);
 #if defined(__AVX512F__)
   switch (c.D) {
-    case 64: return chunk_partial<T, 4>(c, g, qv, keys, i0, i1, scale, out);
-    case 128: return chunk_partial<T, 8>(c, g, qv, keys, i0, i1, scale, out);
-    case 16: return chunk_partial<T, 1>(c, g, qv, keys, i0, i1, scale, out);
-    case 32: return chunk_partial<T, 2>(c, g, qv, keys, i0, i1, scale, out);
+    case 64: return chunk_partial<T, 4>(c, g, qs, nq, keys, i0, i1, scale, out);
+    case 128: return chunk_partial<T, 8>(c, g, qs, nq, keys, i0, i1, scale, out);
+    case 16: return chunk_partial<T, 1>(c, g, qs, nq, keys, i0, i1, scale, out);
+    case 32: return chunk_partial<T, 2>(c, g, qs, nq, keys, i0, i1, scale, out);
     default: break;
   }
 #endif
-  chunk_partial_scalar<T>(c, g, qv, keys, i0, i1, scale, out);
+  for (int q = 0; q < nq; ++q) chunk_partial_scalar<T>(c, g, qs[q], keys, i0, i1, scale, out[q]);
 }
 
-// The step's K/V rows into the cache, converted to the cache's dtype (round to nearest even).
 template <typename T>
 void write_rows(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slots) {
   const int64_t n = src.size(0), row = src.size(1) * src.size(2);
@@ -186,8 +221,13 @@ void write_rows(const torch::Tensor& src, torch::Tensor& cache, const int64_t* s
   for (int64_t i = 0; i < n; ++i) std::memcpy(c + slots[i] * row, s + i * row, row * sizeof(T));
 }
 
+// A work item: chunk `chunk` of the key list of up to kMaxQ queries (token, head) of kv head
+// `group` that share it: all of a sequence's tokens for a chunk inside its prefix, one token's
+// heads for a chunk that reaches its own query tokens.
 struct Item {
-  int64_t token, chunk, group;
+  int64_t chunk, group, list_token;  // list_token: whose key list (the same over the chunk)
+  int nq;
+  int64_t tokens[kMaxQ], heads[kMaxQ];
 };
 
 template <typename T>
@@ -219,12 +259,28 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
       base[t + 1] = base[t] + chunks;
       most = std::max(most, chunks);
     }
-    // chunk-major, so a thread's consecutive items reuse the same keys from cache; equal-sized
-    // items, so parallel_for's even split is an even split of the work
-    for (int64_t c = 0; c < most; ++c)
-      for (int64_t t = so[b]; t < so[b + 1]; ++t)
-        if (c < base[t + 1] - base[t])
-          for (int64_t g = 0; g < KVH; ++g) items.push_back({t, c, g});
+    // chunk-major, so a thread's consecutive items reuse the same keys from cache
+    for (int64_t c = 0; c < most; ++c) {
+      const bool shared = (c + 1) * kChunk <= P;  // wholly inside the prefix: every token's
+      for (int64_t g = 0; g < KVH; ++g) {
+        Item it{c, g, so[b], 0, {}, {}};
+        auto flush = [&]() { if (it.nq) { items.push_back(it); it.nq = 0; } };
+        for (int64_t t = so[b]; t < so[b + 1]; ++t) {
+          if (c >= base[t + 1] - base[t]) continue;
+          if (!shared) {
+            flush();
+            it.list_token = t;
+          }
+          for (int64_t h = g * G; h < (g + 1) * G; ++h) {
+            it.tokens[it.nq] = t;
+            it.heads[it.nq++] = h;
+            if (it.nq == kMaxQ) flush();
+          }
+          if (!shared) flush();
+        }
+        flush();
+      }
+    }
   }
   // queries as float32, each [D]
   torch::Tensor qf = q.to(torch::kFloat32).contiguous();
@@ -239,9 +295,13 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const Item& it = items[i];
-      const int64_t t = it.token;
-      for (int64_t h = it.group * G; h < (it.group + 1) * G; ++h)
-        partial<T>(cache, it.group, qp + (t * H + h) * D, lists[t], it.chunk, sc, part_of(t, h, it.chunk));
+      const float* qs[kMaxQ];
+      float* outs[kMaxQ];
+      for (int q = 0; q < it.nq; ++q) {
+        qs[q] = qp + (it.tokens[q] * H + it.heads[q]) * D;
+        outs[q] = part_of(it.tokens[q], it.heads[q], it.chunk);
+      }
+      partials<T>(cache, it.group, qs, it.nq, lists[it.list_token], it.chunk, sc, outs);
     }
   });
   // merge each query's chunk partials in chunk order
