@@ -40,7 +40,7 @@ def _case(rng: random.Random, num_seqs: int, dim: int, dtype: torch.dtype, max_p
     return cache, seqs
 
 
-def _metadata(seqs) -> tuple[torch.Tensor, PagedMetadata]:
+def _metadata(seqs, causal: bool = False) -> tuple[torch.Tensor, PagedMetadata]:
     slot_mapping, seq_off, prefix, prefix_off, local, local_off = [], [0], [], [0], [], [0]
     for pre, slots, visible in seqs:
         slot_mapping += slots
@@ -51,11 +51,13 @@ def _metadata(seqs) -> tuple[torch.Tensor, PagedMetadata]:
             local += [slots[c] for c in cols]
             local_off.append(len(local))
     t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
-    return t(slot_mapping), PagedMetadata(t(seq_off), t(prefix), t(prefix_off), t(local), t(local_off))
+    flags = t([int(causal)] * len(seqs))
+    return t(slot_mapping), PagedMetadata(t(seq_off), t(prefix), t(prefix_off), t(local),
+                                          t(local_off), flags)
 
 
-def _run(cache, seqs, q, k, v):
-    slot_mapping, paged = _metadata(seqs)
+def _run(cache, seqs, q, k, v, causal: bool = False):
+    slot_mapping, paged = _metadata(seqs, causal)
     meta = AttentionMetadata(slot_mapping, [], paged)
     return PagedAttention()(0, q, k, v, cache, meta)
 
@@ -111,3 +113,23 @@ def test_a_token_alone_equals_the_token_in_a_batch(seed, dtype, max_prefix, dim)
             out = _run(cache, alone, q[t : t + 1], k[t : t + 1], v[t : t + 1])
             assert torch.equal(out[0], batch[t]), (seed, t)
             t += 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_long_causal_chunk_shares_its_keys_without_changing_a_bit(dtype):
+    """A 600-token prefill chunk after a 300-token prefix: marked causal, its tokens share key
+    chunks; the outputs match the brute force and are bitwise those of the unshared run."""
+    rng = random.Random(7)
+    cache = KVCache(1, 1000, KVH, 64, dtype, torch.device("cpu"))
+    cache.k.normal_()
+    cache.v.normal_()
+    free = list(range(1, 1000))
+    rng.shuffle(free)
+    prefix, slots = free[:300], free[300:900]
+    seqs = [(prefix, slots, [list(range(i + 1)) for i in range(600)])]
+    q, k, v = (torch.randn(600, heads, 64).to(dtype) for heads in (H, KVH, KVH))
+    shared = _run(cache, seqs, q, k, v, causal=True)
+    alone = _run(cache, seqs, q, k, v, causal=False)
+    assert torch.equal(shared, alone)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(shared.double(), _reference(cache, seqs, q), rtol=tol, atol=tol)

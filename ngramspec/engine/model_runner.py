@@ -120,9 +120,10 @@ class ModelRunner:
                 local_counts += mask.sum(1).tolist()
         for c in local_counts:
             local_offsets.append(local_offsets[-1] + c)
+        causal = torch.tensor([int(it.local_mask is None) for it in items])
         return PagedMetadata(torch.tensor(seq_offsets), torch.tensor(prefix, dtype=torch.long),
                              torch.tensor(prefix_offsets), torch.cat(local_parts),
-                             torch.tensor(local_offsets))
+                             torch.tensor(local_offsets), causal)
 
     def _tril_cols(self, n: int) -> torch.Tensor:
         """Column index of every lower-triangle entry of an n x n matrix, row by row."""

@@ -235,7 +235,7 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
                   torch::Tensor& kc, torch::Tensor& vc, const torch::Tensor& slot_mapping,
                   const torch::Tensor& seq_offsets, const torch::Tensor& prefix,
                   const torch::Tensor& prefix_offsets, const torch::Tensor& local,
-                  const torch::Tensor& local_offsets, double scale) {
+                  const torch::Tensor& local_offsets, const torch::Tensor& causal, double scale) {
   const int64_t Tq = q.size(0), H = q.size(1), D = q.size(2), KVH = kc.size(1), G = H / KVH;
   write_rows<T>(k, kc, slot_mapping.data_ptr<int64_t>());
   write_rows<T>(v, vc, slot_mapping.data_ptr<int64_t>());
@@ -246,6 +246,7 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   const int64_t* lo = local_offsets.data_ptr<int64_t>();
   const int64_t* pre = prefix.data_ptr<int64_t>();
   const int64_t* loc = local.data_ptr<int64_t>();
+  const int64_t* cz = causal.data_ptr<int64_t>();
   // Per token: its key list, its number of chunks and where its partials start.
   std::vector<KeyList> lists(Tq);
   std::vector<int64_t> base(Tq + 1, 0);
@@ -261,16 +262,17 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
     }
     // chunk-major, so a thread's consecutive items reuse the same keys from cache
     for (int64_t c = 0; c < most; ++c) {
-      const bool shared = (c + 1) * kChunk <= P;  // wholly inside the prefix: every token's
       for (int64_t g = 0; g < KVH; ++g) {
         Item it{c, g, so[b], 0, {}, {}};
         auto flush = [&]() { if (it.nq) { items.push_back(it); it.nq = 0; } };
         for (int64_t t = so[b]; t < so[b + 1]; ++t) {
           if (c >= base[t + 1] - base[t]) continue;
-          if (!shared) {
-            flush();
-            it.list_token = t;
-          }
+          // Tokens whose lists agree over the whole chunk share it: inside the prefix, and in a
+          // causal chunk (each token's local slots extend the previous token's) wherever the
+          // token's list covers the chunk.
+          const bool shared = (c + 1) * kChunk <= (cz[b] ? lists[t].L : P);
+          if (!shared) flush();
+          if (it.nq == 0) it.list_token = t;  // a token whose list covers the chunk
           for (int64_t h = g * G; h < (g + 1) * G; ++h) {
             it.tokens[it.nq] = t;
             it.heads[it.nq++] = h;
@@ -332,13 +334,14 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
 // q: [T, H, D]; k, v: [T, KVH, D] (written to the caches at slot_mapping first);
 // k_cache, v_cache: [S, KVH, D]; query tokens of sequence b are rows [seq_offsets[b],
 // seq_offsets[b + 1]); its prefix slots prefix[prefix_offsets[b] : prefix_offsets[b + 1]];
-// token t's own visible slots local[local_offsets[t] : local_offsets[t + 1]]. -> [T, H * D]
+// token t's own visible slots local[local_offsets[t] : local_offsets[t + 1]]; causal[b] != 0 when
+// each of b's local lists extends the previous one (a prefill chunk). -> [T, H * D]
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                               torch::Tensor k_cache, torch::Tensor v_cache,
                               const torch::Tensor& slot_mapping, const torch::Tensor& seq_offsets,
                               const torch::Tensor& prefix, const torch::Tensor& prefix_offsets,
                               const torch::Tensor& local, const torch::Tensor& local_offsets,
-                              double scale) {
+                              const torch::Tensor& causal, double scale) {
   for (const torch::Tensor* t : {&q, &k, &v, static_cast<const torch::Tensor*>(&k_cache),
                                  static_cast<const torch::Tensor*>(&v_cache)})
     TORCH_CHECK(t->device().is_cpu() && t->dim() == 3 && t->stride(2) == 1 &&
@@ -348,17 +351,19 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k, co
                 "each row's heads contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_attention: K and V caches differ in dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches must be contiguous");
-  for (const torch::Tensor* t : {&slot_mapping, &seq_offsets, &prefix, &prefix_offsets, &local, &local_offsets})
+  for (const torch::Tensor* t : {&slot_mapping, &seq_offsets, &prefix, &prefix_offsets, &local,
+                                 &local_offsets, &causal})
     TORCH_CHECK(t->scalar_type() == torch::kLong && t->is_contiguous(),
                 "paged_attention: index tensors must be contiguous int64");
   TORCH_CHECK(q.size(2) <= 256 && q.size(1) % k_cache.size(1) == 0,
               "paged_attention: head_dim <= 256 and heads a multiple of kv heads");
   TORCH_CHECK(local_offsets.size(0) == q.size(0) + 1 && slot_mapping.size(0) == q.size(0),
               "paged_attention: one slot and one local list per query token");
+  TORCH_CHECK(causal.size(0) == seq_offsets.size(0) - 1, "paged_attention: one causal flag a sequence");
   // T is the cache's dtype; queries are read as float32 and the output has q's dtype
   if (k_cache.scalar_type() == torch::kFloat32)
     return run<float>(q, k, v, k_cache, v_cache, slot_mapping, seq_offsets, prefix,
-                      prefix_offsets, local, local_offsets, scale);
+                      prefix_offsets, local, local_offsets, causal, scale);
   return run<c10::BFloat16>(q, k, v, k_cache, v_cache, slot_mapping, seq_offsets, prefix,
-                            prefix_offsets, local, local_offsets, scale);
+                            prefix_offsets, local, local_offsets, causal, scale);
 }

@@ -11,7 +11,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k, co
                               const torch::Tensor& slot_mapping, const torch::Tensor& seq_offsets,
                               const torch::Tensor& prefix, const torch::Tensor& prefix_offsets,
                               const torch::Tensor& local, const torch::Tensor& local_offsets,
-                              double scale);
+                              const torch::Tensor& causal, double scale);
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor add_rms_norm(torch::Tensor residual, const torch::Tensor& x, const torch::Tensor& weight,

@@ -47,6 +47,7 @@ class PagedMetadata:
     prefix_offsets: torch.Tensor  # [B + 1] sequence b's prefix is prefix[o_b : o_b+1]
     local: torch.Tensor  # [N] visible query-token slots of every token, concatenated
     local_offsets: torch.Tensor  # [T + 1] token t's are local[o_t : o_t+1]
+    causal: torch.Tensor  # [B] int64, 1 where each token's local slots extend the previous one's
 
 
 @dataclass(slots=True)
@@ -126,7 +127,7 @@ class PagedAttention:
         return self._kernels.paged_attention(
             q.contiguous(), k.contiguous(), v.contiguous(), cache.k[layer], cache.v[layer],
             meta.slot_mapping, p.seq_offsets, p.prefix, p.prefix_offsets, p.local,
-            p.local_offsets, q.shape[-1] ** -0.5)
+            p.local_offsets, p.causal, q.shape[-1] ** -0.5)
 
 
 def _keys_values(layer: int, cache: KVCache, g: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
