@@ -1,7 +1,8 @@
 """`ngramspec bench engine`: plain (non-speculative) decoding throughput, ours vs HF transformers.
 
-Same weights, fp32, same prompts (chat-templated questions), same number of torch threads, in one
-run: batch 1 (each prompt alone, one after the other) and C concurrent requests (default 16), each
+Same model file, same prompts (chat-templated questions), same number of torch threads, in one
+run; ours in its default mode (for a GGUF model on the CPU: the GGUF block kernels), HF in fp32 on
+the dequantised weights: batch 1 (each prompt alone, one after the other) and C concurrent requests (default 16), each
 producing exactly --max-tokens new tokens (EOS ignored). HF runs the C requests both as one
 left-padded batch and one by one and keeps whichever is faster for it. tok/s counts new tokens
 over wall time, prefill included, after a warm-up of both.
