@@ -109,9 +109,16 @@ def test_greedy_64_tokens_match_hf_generate(i: int, hf_model, prompt_ids, greedy
                         f"prompt {i} vs HF generate")
 
 
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch-ops"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_tiny_random_models_match_hf(arch: str, tiny_model_dirs, tiny_hf_models, probe) -> None:
+def test_tiny_random_models_match_hf(arch: str, kernels: bool, tiny_model_dirs, tiny_hf_models,
+                                     probe, monkeypatch) -> None:
+    """Both execution paths: the C++ CPU kernels, and the PyTorch ops (SDPA with masks, unfused
+    norms and rotary) that CUDA and machines without a compiler run."""
+    if not kernels:
+        monkeypatch.setattr("ngramspec.engine.model_runner.kernels_available", lambda: False)
     llm = LLM(str(tiny_model_dirs[arch]), num_threads=NUM_THREADS)
+    assert llm.engine.runner.paged == kernels
     hf = tiny_hf_models[arch]
     cfg = llm.engine.model_cfg
     assert cfg.attention_bias == (arch == "qwen2") and cfg.qk_norm == (arch == "qwen3")
