@@ -19,9 +19,13 @@ from ngramspec.sampling_params import SamplingParams
 QUERY_TOKENS = (1, 2, 4, 8, 16)
 
 
+def synthetic_prompt(length: int, vocab: int) -> list[int]:
+    """Fixed token ids of any length, no tokenizer needed (the same for every engine)."""
+    return [(i * 7919) % (vocab - 100) + 100 for i in range(length)]
+
+
 def decode_ms(llm: LLM, context: int, tokens: int, repeats: int) -> float:
-    vocab = llm.engine.model_cfg.vocab_size
-    prompt = [(i * 7919) % (vocab - 100) + 100 for i in range(context)]  # fixed ids, no tokenizer
+    prompt = synthetic_prompt(context, llm.engine.model_cfg.vocab_size)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     many = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
     llm.generate(prompt, one)  # warm-up

@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from ngramspec.bench import WEIGHT_MODES, emit
-from ngramspec.bench.context_bench import QUERY_TOKENS, decode_ms
+from ngramspec.bench.context_bench import QUERY_TOKENS, decode_ms, synthetic_prompt
+from ngramspec.bench.quality_bench import matching_prefix
 from ngramspec.engine.cost_model import time_forward
 from ngramspec.llm import LLM
 from ngramspec.models.loader import gguf_file
@@ -69,7 +70,7 @@ class LlamaCpp:
         return out
 
     def decode_ms(self, context: int, tokens: int, repeats: int, vocab: int) -> float:
-        prompt = [(i * 7919) % (vocab - 100) + 100 for i in range(context)]
+        prompt = synthetic_prompt(context, vocab)
         best = float("inf")
         for _ in range(repeats):
             self.llm.reset()
@@ -82,7 +83,7 @@ class LlamaCpp:
 
     def verify_ms(self, context: int, q: int, repeats: int, vocab: int) -> float:
         """One batch of q new tokens over a cached context (what verifying a q-token draft costs)."""
-        prompt = [(i * 7919) % (vocab - 100) + 100 for i in range(context + q)]
+        prompt = synthetic_prompt(context + q, vocab)
         self.llm.reset()
         self.llm.eval(prompt[:context])
         best = float("inf")
@@ -179,19 +180,12 @@ def run_workload(engines: dict[str, Any], prompts: list[tuple[str, list[int]]], 
             wall[name] += dt
         rows.append({"id": pid, "tokens": {n: len(outs[n]) for n in names},
                      "spec_equals_plain": outs["spec"] == outs["plain"],
-                     "llama_matching_prefix": _matching(outs["llama.cpp"], outs["plain"])})
+                     "llama_matching_prefix": matching_prefix(outs["llama.cpp"], outs["plain"])})
     tok_s = {n: tokens[n] / wall[n] for n in names}
     return {"prompts": rows, "tok_s": tok_s,
             "ratio_vs_llama": {n: tok_s[n] / tok_s["llama.cpp"] for n in ("plain", "spec")},
             "spec_equals_plain": sum(r["spec_equals_plain"] for r in rows),
             "num_prompts": len(rows)}
-
-
-def _matching(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def run_concurrent(engines: dict[str, Any], prompts: list[list[int]], max_tokens: int,

@@ -61,7 +61,6 @@ class ModelRunner:
         self.cache = KVCache(model_cfg.num_layers, num_slots, model_cfg.num_kv_heads,
                              model_cfg.head_dim, kv_dtype, device)
         self._causal: dict[int, torch.Tensor] = {}
-        self._tril: dict[int, torch.Tensor] = {}
 
     @torch.inference_mode()
     def run(self, items: list[ForwardItem]) -> torch.Tensor:
@@ -72,66 +71,55 @@ class ModelRunner:
     def _prepare(self, items: list[ForwardItem]):
         dev = self.device
         flat_ids, flat_pos, flat_slots, logit_rows = [], [], [], []
-        # size class -> (its items, their offsets in the flat token order)
-        by_size: dict[int, tuple[list[ForwardItem], list[int]]] = {}
         offset = 0
         for it in items:
             flat_ids += it.token_ids
             flat_pos += it.positions
             flat_slots += it.slots
             logit_rows += [offset + r for r in it.logits_rows]
-            members, offsets = by_size.setdefault(
-                bisect.bisect_left(SIZE_CLASS_LIMITS, len(it.token_ids)), ([], []))
-            members.append(it)
-            offsets.append(offset)
             offset += len(it.token_ids)
         slot_mapping = torch.tensor(flat_slots, device=dev)
-        if self.paged:
-            meta = AttentionMetadata(slot_mapping, [], self._paged(items))
-        else:
-            groups = [self._group(members, offsets, whole=len(by_size) == 1)
-                      for _, (members, offsets) in sorted(by_size.items())]
-            meta = AttentionMetadata(slot_mapping, groups)
+        groups = [] if self.paged else self._groups(items)
+        meta = AttentionMetadata(slot_mapping, groups, self._paged(items) if self.paged else None)
         # dtype is explicit: a step of mid-prompt chunks only needs no logits, and an empty
         # tensor would default to float, which cannot index.
         return (torch.tensor(flat_ids, device=dev), torch.tensor(flat_pos, device=dev), meta,
                 torch.tensor(logit_rows, dtype=torch.long, device=dev))
 
-    def _paged(self, items: list[ForwardItem]) -> PagedMetadata:
-        """Each sequence's prefix slots, and each query token's visible query-token slots in
-        position order (a causal chunk's token i: the chunk's first i + 1 slots; a tree node:
-        its ancestors and itself, which precede it in the tree's best-first order)."""
+    @staticmethod
+    def _paged(items: list[ForwardItem]) -> PagedMetadata:
+        """Each sequence's prefix slots and, for a tree, each token's visible query-token slots
+        in position order (its ancestors and itself, which precede it in the tree's best-first
+        order). A causal item's lists are implied (token i sees the item's slots 0..i)."""
         seq_offsets, prefix_offsets, local_offsets = [0], [0], [0]
         prefix: list[int] = []
-        local_parts: list[torch.Tensor] = []
-        local_counts: list[int] = []
+        local: list[int] = []
+        causal: list[int] = []
         for it in items:
-            n = len(it.token_ids)
-            seq_offsets.append(seq_offsets[-1] + n)
+            seq_offsets.append(seq_offsets[-1] + len(it.token_ids))
             prefix += it.prefix_slots
             prefix_offsets.append(len(prefix))
-            slots = torch.tensor(it.slots)
-            if it.local_mask is None:  # causal: row i sees columns 0..i
-                local_parts.append(slots[self._tril_cols(n)])
-                local_counts += range(1, n + 1)
-            else:
-                mask = torch.tensor(it.local_mask)  # [n, n]
-                local_parts.append(slots.expand(n, n)[mask])  # row-major: each row's in order
-                local_counts += mask.sum(1).tolist()
-        for c in local_counts:
-            local_offsets.append(local_offsets[-1] + c)
-        causal = torch.tensor([int(it.local_mask is None) for it in items])
-        return PagedMetadata(torch.tensor(seq_offsets), torch.tensor(prefix, dtype=torch.long),
-                             torch.tensor(prefix_offsets), torch.cat(local_parts),
-                             torch.tensor(local_offsets), causal)
+            causal.append(int(it.local_mask is None))
+            for row in it.local_mask or [[]] * len(it.token_ids):
+                local += [s for s, seen in zip(it.slots, row) if seen]
+                local_offsets.append(len(local))
+        t = torch.tensor
+        return PagedMetadata(t(seq_offsets), t(prefix, dtype=torch.long), t(prefix_offsets),
+                             t(local, dtype=torch.long), t(local_offsets), t(causal))
 
-    def _tril_cols(self, n: int) -> torch.Tensor:
-        """Column index of every lower-triangle entry of an n x n matrix, row by row."""
-        if n > 64:  # prefill chunks: cheap to build, too many sizes to keep
-            return torch.tril_indices(n, n)[1]
-        if n not in self._tril:
-            self._tril[n] = torch.tril_indices(n, n)[1]
-        return self._tril[n]
+    def _groups(self, items: list[ForwardItem]) -> list[AttentionGroup]:
+        """SDPA groups: sequences padded together by query-length class."""
+        # size class -> (its items, their offsets in the flat token order)
+        by_size: dict[int, tuple[list[ForwardItem], list[int]]] = {}
+        offset = 0
+        for it in items:
+            members, offsets = by_size.setdefault(
+                bisect.bisect_left(SIZE_CLASS_LIMITS, len(it.token_ids)), ([], []))
+            members.append(it)
+            offsets.append(offset)
+            offset += len(it.token_ids)
+        return [self._group(members, offsets, whole=len(by_size) == 1)
+                for _, (members, offsets) in sorted(by_size.items())]
 
     def _group(self, items: list[ForwardItem], offsets: list[int], whole: bool) -> AttentionGroup:
         """Pad these sequences' queries to their longest and their K/V to the longest prefix."""

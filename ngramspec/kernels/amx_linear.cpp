@@ -19,6 +19,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#include "gguf_blocks.h"
+
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -33,7 +35,9 @@
 
 namespace {
 
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+using ngramspec::kQ4_0;
+using ngramspec::kQ4_1;
+using ngramspec::kQ8_0;
 
 inline bool is_q4(int64_t qtype) { return qtype == kQ4_0 || qtype == kQ4_1; }
 // packed bytes per (16-output tile, 32-input block)
@@ -49,11 +53,10 @@ inline uint16_t load_u16(const uint8_t* p) {
 
 // blocks: [N, K / 32 * block_bytes] GGUF rows -> [N / 16, K / 32, tile_bytes] uint8
 torch::Tensor amx_pack(const torch::Tensor& blocks, int64_t qtype, int64_t K) {
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, "amx_pack: Q4_0, Q4_1 or Q8_0");
+  const int64_t bb = ngramspec::block_bytes(qtype);
   TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() && blocks.dim() == 2,
               "amx_pack: contiguous uint8 [N, row_bytes]");
   const int64_t N = blocks.size(0), nb = K / 32;
-  const int64_t bb = qtype == kQ8_0 ? 34 : (qtype == kQ4_1 ? 20 : 18);
   TORCH_CHECK(N % 16 == 0 && K % 32 == 0 && blocks.size(1) == nb * bb,
               "amx_pack: N must be a multiple of 16 and rows whole blocks");
   const int64_t tb = tile_bytes(qtype);
@@ -65,7 +68,7 @@ torch::Tensor amx_pack(const torch::Tensor& blocks, int64_t qtype, int64_t K) {
       uint8_t* o = dst + (t * nb + b) * tb;
       auto block = [&](int64_t n) { return src + (t * 16 + n) * blocks.size(1) + b * bb; };
       if (is_q4(qtype)) {
-        const int64_t qoff = qtype == kQ4_1 ? 4 : 2;
+        const int64_t qoff = ngramspec::q4_offset(qtype);
         auto nib = [&](int64_t n, int64_t k) {  // GGUF: element k < 16 low nibble of byte k
           const uint8_t byte = block(n)[qoff + (k & 15)];
           return static_cast<uint8_t>(k < 16 ? byte & 0x0F : byte >> 4);
@@ -203,6 +206,24 @@ void tiles_range(const uint16_t* xb, const float* xsum, int64_t M, int64_t K, co
   _tile_release();
 }
 
+// x [M, K] float32 -> bf16 rows (round to nearest even) and each row's sum of its bf16 values
+// over every 32-input block (for the Q4_1 / Q4_0 mins), in one pass.
+void to_bf16_with_block_sums(const float* x, int64_t M, int64_t K, uint16_t* xb, float* xsum) {
+  const int64_t nb = K / 32;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* src = x + m * K + b * 32;
+      const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src));
+      const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + 16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb + m * K + b * 32), lo);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb + m * K + b * 32 + 16), hi);
+      auto widen = [](__m256i h) {
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      };
+      xsum[m * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(widen(lo), widen(hi)));
+    }
+}
+
 }  // namespace
 
 bool amx_available() {
@@ -228,11 +249,11 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t
   const int64_t m_chunks = (M + 15) / 16, nb = K / 32;
   // activations in bf16, zero-padded to whole 16-row tiles (pad rows never touch real ones),
   // and each row's sum over every 32-input block (of the bf16 values) for the mins
-  torch::Tensor xb = torch::zeros({m_chunks * 16, K}, torch::kBFloat16);
-  xb.narrow(0, 0, M).copy_(x);
-  torch::Tensor xsum = xb.narrow(0, 0, M).view({M, nb, 32}).to(torch::kFloat32).sum(2).contiguous();
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
-  const float* sp = xsum.data_ptr<float>();
+  std::vector<uint16_t> xb(static_cast<size_t>(m_chunks * 16 * K), 0);
+  std::vector<float> xsum(static_cast<size_t>(M * nb));
+  to_bf16_with_block_sums(x.contiguous().data_ptr<float>(), M, K, xb.data(), xsum.data());
+  const uint16_t* xp = xb.data();
+  const float* sp = xsum.data();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t tiles = N / 16, pairs = (tiles + 1) / 2;

@@ -254,8 +254,11 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   for (int64_t b = 0; b < B; ++b) {
     const int64_t P = po[b + 1] - po[b];
     int64_t most = 0;
+    const int64_t* sm = slot_mapping.data_ptr<int64_t>() + so[b];
     for (int64_t t = so[b]; t < so[b + 1]; ++t) {
-      lists[t] = {pre + po[b], P, loc + lo[t], P + lo[t + 1] - lo[t]};
+      // a causal chunk's token sees the chunk's slots up to itself: derived, not listed
+      lists[t] = cz[b] ? KeyList{pre + po[b], P, sm, P + t - so[b] + 1}
+                       : KeyList{pre + po[b], P, loc + lo[t], P + lo[t + 1] - lo[t]};
       const int64_t chunks = (lists[t].L + kChunk - 1) / kChunk;
       base[t + 1] = base[t] + chunks;
       most = std::max(most, chunks);
@@ -334,8 +337,9 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
 // q: [T, H, D]; k, v: [T, KVH, D] (written to the caches at slot_mapping first);
 // k_cache, v_cache: [S, KVH, D]; query tokens of sequence b are rows [seq_offsets[b],
 // seq_offsets[b + 1]); its prefix slots prefix[prefix_offsets[b] : prefix_offsets[b + 1]];
-// token t's own visible slots local[local_offsets[t] : local_offsets[t + 1]]; causal[b] != 0 when
-// each of b's local lists extends the previous one (a prefill chunk). -> [T, H * D]
+// token t's own visible slots local[local_offsets[t] : local_offsets[t + 1]], except where
+// causal[b] != 0 (a prefill chunk or a decode): then token t sees b's query slots up to itself
+// (slot_mapping[seq_offsets[b] .. t]) and its local list is not read. -> [T, H * D]
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                               torch::Tensor k_cache, torch::Tensor v_cache,
                               const torch::Tensor& slot_mapping, const torch::Tensor& seq_offsets,

@@ -22,27 +22,22 @@
 #include <immintrin.h>
 #endif
 
+#include "gguf_blocks.h"
+
 namespace {
 
-// ggml type ids (gguf.GGMLQuantizationType)
-constexpr int64_t kQ4_0 = 2;
-constexpr int64_t kQ4_1 = 3;
-constexpr int64_t kQ8_0 = 8;
-constexpr int64_t kBlock = 32;  // weights per block, for all three types
+using ngramspec::block_bytes;
+using ngramspec::block_bytes_of;
+using ngramspec::kBlock;
+using ngramspec::kQ4_0;
+using ngramspec::kQ4_1;
+using ngramspec::kQ8_0;
+using ngramspec::q4_offset;
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
-
-int64_t block_bytes(int64_t qtype) {
-  switch (qtype) {
-    case kQ4_0: return 18;  // fp16 d, 16 bytes of nibbles
-    case kQ4_1: return 20;  // fp16 d, fp16 m, 16 bytes of nibbles
-    case kQ8_0: return 34;  // fp16 d, 32 int8
-    default: TORCH_CHECK(false, "unsupported GGUF block type ", qtype, " (have Q4_0=2, Q4_1=3, Q8_0=8)");
-  }
 }
 
 // Scalar dequantisation of one block into 32 floats: the reference the vector path matches.
@@ -56,7 +51,7 @@ inline void dequant_block(int64_t qtype, const uint8_t* b, float* out) {
   }
   const float d = half_to_float(b);
   const float m = qtype == kQ4_1 ? half_to_float(b + 2) : -8.0f * d;
-  const uint8_t* q = b + (qtype == kQ4_1 ? 4 : 2);
+  const uint8_t* q = b + q4_offset(qtype);
   for (int i = 0; i < 16; ++i) {
     out[i] = std::fma(static_cast<float>(q[i] & 0x0F), d, m);
     out[i + 16] = std::fma(static_cast<float>(q[i] >> 4), d, m);
@@ -78,7 +73,7 @@ inline void dequant(const uint8_t* b, __m512& lo, __m512& hi) {
     const float df = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b));
     const float mf = Q == kQ4_1 ? _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 2)) : -8.0f * df;
     const __m512 d = _mm512_set1_ps(df), m = _mm512_set1_ps(mf);
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (Q == kQ4_1 ? 4 : 2)));
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + q4_offset(Q)));
     // One zero-extension of the 16 bytes; lane i then holds element i (low nibble) and i + 16.
     const __m512i bytes = _mm512_cvtepu8_epi32(raw);
     const __m512i q0 = _mm512_and_si512(bytes, _mm512_set1_epi32(0x0F));
@@ -92,7 +87,7 @@ inline void dequant(const uint8_t* b, __m512& lo, __m512& hi) {
 template <int64_t Q, int MR, int NR>
 void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int64_t nblocks,
           float* out, int64_t ldo) {
-  constexpr int64_t bb = Q == kQ8_0 ? 34 : (Q == kQ4_1 ? 20 : 18);
+  constexpr int64_t bb = block_bytes_of(Q);
   __m512 acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_setzero_ps();

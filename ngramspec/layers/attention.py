@@ -45,9 +45,9 @@ class PagedMetadata:
     seq_offsets: torch.Tensor  # [B + 1] query tokens of sequence b are rows [o_b, o_b+1)
     prefix: torch.Tensor  # [P] cached slots of every sequence, concatenated in position order
     prefix_offsets: torch.Tensor  # [B + 1] sequence b's prefix is prefix[o_b : o_b+1]
-    local: torch.Tensor  # [N] visible query-token slots of every token, concatenated
-    local_offsets: torch.Tensor  # [T + 1] token t's are local[o_t : o_t+1]
-    causal: torch.Tensor  # [B] int64, 1 where each token's local slots extend the previous one's
+    local: torch.Tensor  # [N] visible query-token slots of the tree tokens, concatenated
+    local_offsets: torch.Tensor  # [T + 1] token t's are local[o_t : o_t+1] (empty when causal)
+    causal: torch.Tensor  # [B] int64, 1 = token i of the sequence sees its query slots 0..i
 
 
 @dataclass(slots=True)
@@ -124,8 +124,8 @@ class PagedAttention:
         # q: [T, H, D]; k, v: [T, KVH, D] -> out [T, H * D]
         p = meta.paged
         assert p is not None, "PagedAttention needs AttentionMetadata.paged"
-        return self._kernels.paged_attention(
-            q.contiguous(), k.contiguous(), v.contiguous(), cache.k[layer], cache.v[layer],
+        return self._kernels.paged_attention(  # q, k, v: strided views of the fused qkv row
+            q, k, v, cache.k[layer], cache.v[layer],
             meta.slot_mapping, p.seq_offsets, p.prefix, p.prefix_offsets, p.local,
             p.local_offsets, p.causal, q.shape[-1] ** -0.5)
 

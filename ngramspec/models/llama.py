@@ -150,16 +150,15 @@ class LlamaForCausalLM(nn.Module):
         if missing or unexpected:
             raise ValueError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")
 
-    def use_gguf_weights(self, weights: dict) -> int:
+    def use_gguf_weights(self, weights: dict) -> None:
         """Swap linears (and the embedding) for GGUF block kernels where `weights` ({HF name:
         GGUFWeight}) has them; q/k/v and gate/up fuse only when their types agree. Call after
-        `load_hf_state_dict` (biases and norms come from there). Returns the layers swapped."""
+        `load_hf_state_dict` (biases and norms come from there)."""
         from ngramspec.layers.gguf_linear import GGUFEmbedding, GGUFLinear, GGUFWeight
 
         def get(name: str):
             return weights.get(f"model.{name}.weight")
 
-        swapped = 0
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
@@ -173,13 +172,9 @@ class LlamaForCausalLM(nn.Module):
             for attr, owner, w in pairs:
                 if w is not None:
                     setattr(owner, attr, GGUFLinear(w, getattr(owner, attr).bias))
-                    swapped += 1
         embed = get("embed_tokens")
         head = weights.get("lm_head.weight", embed)  # tied when the file has no output.weight
         if embed is not None:
             self.embed_tokens = GGUFEmbedding(embed)
-            swapped += 1
         if head is not None:
             self.lm_head = GGUFLinear(head)
-            swapped += 1
-        return swapped

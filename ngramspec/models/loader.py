@@ -43,15 +43,19 @@ def default_model_path() -> Path:
     return path
 
 
+def _model_path(model: str | os.PathLike | None) -> Path:
+    return default_model_path() if model is None else Path(model).expanduser()
+
+
 def gguf_file(model: str | os.PathLike | None) -> Path | None:
     """The GGUF file `model` names (the bundled one for None), or None for a model directory."""
-    path = default_model_path() if model is None else Path(model).expanduser()
+    path = _model_path(model)
     return path if path.is_file() and path.suffix == ".gguf" else None
 
 
 def resolve_model_dir(model: str | os.PathLike | None, cache_dir: Path | None = None) -> Path:
     """Return an HF-style directory for `model`, converting a GGUF file on first use."""
-    path = default_model_path() if model is None else Path(model).expanduser()
+    path = _model_path(model)
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
     if path.is_dir():
@@ -150,16 +154,33 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
+def _hf_rows(arch: str, name: str, w: np.ndarray, n_head: int, n_kv: int) -> np.ndarray:
+    """A GGUF matrix's rows in HF order (q/k un-permuted for llama-arch); rows move whole, so
+    this works on dequantised values and on quantised blocks alike."""
+    if arch in ("llama", "mistral") and name.endswith("q_proj.weight"):
+        return _unpermute(w, n_head)
+    if arch in ("llama", "mistral") and name.endswith("k_proj.weight"):
+        return _unpermute(w, n_kv)
+    return w
+
+
+def _open_gguf(path: Path):
+    """(reader, architecture) of a GGUF file, or a ModelLoadError naming the problem."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+        return reader, bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    except Exception as e:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from e
+
+
 def convert_gguf(path: Path, out: Path) -> None:
     """Dequantise a GGUF file into `out` (config.json, model.safetensors, tokenizer files)."""
     import gguf
     from transformers import AutoConfig, AutoTokenizer
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    except Exception as e:
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from e
+    reader, arch = _open_gguf(path)
     if arch not in _GGUF_ARCHS:
         raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r}")
     try:
@@ -174,11 +195,7 @@ def convert_gguf(path: Path, out: Path) -> None:
     for t in tqdm(reader.tensors, desc=f"dequantising {path.name}", unit="tensor"):
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         name = _hf_name(t.name)
-        if arch in ("llama", "mistral") and name.endswith("q_proj.weight"):
-            w = _unpermute(w, n_head)
-        elif arch in ("llama", "mistral") and name.endswith("k_proj.weight"):
-            w = _unpermute(w, n_kv)
-        state[name] = torch.from_numpy(np.ascontiguousarray(w))
+        state[name] = torch.from_numpy(np.ascontiguousarray(_hf_rows(arch, name, w, n_head, n_kv)))
     tmp = out.with_name(out.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     save_file(state, str(tmp / "model.safetensors"))
@@ -194,28 +211,17 @@ def convert_gguf(path: Path, out: Path) -> None:
 def load_gguf_weights(path: Path, num_heads: int, num_kv_heads: int) -> dict:
     """The GGUF's matrices that a block kernel runs (Q4_0, Q4_1, Q8_0), as they are in the file,
     by HF name: {name: GGUFWeight}. Other tensors (norms, unsupported types) come from the
-    dequantised state dict instead. q/k rows are un-permuted like `convert_gguf` does; rows are
-    whole blocks, so that moves bytes and changes no value."""
-    import gguf
-
+    dequantised state dict instead. q/k rows are un-permuted as `convert_gguf` does them."""
     from ngramspec.layers.gguf_linear import KERNEL_TYPES, GGUFWeight
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    except Exception as e:
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from e
+    reader, arch = _open_gguf(path)
     out = {}
     for t in reader.tensors:
         qtype = int(t.tensor_type)
         if qtype not in KERNEL_TYPES or len(t.shape) != 2:
             continue
         name = _hf_name(t.name)
-        blocks = np.asarray(t.data)  # [out, in / 32 * block_bytes] uint8, memory-mapped
-        if arch in ("llama", "mistral") and name.endswith("q_proj.weight"):
-            blocks = _unpermute(blocks, num_heads)
-        elif arch in ("llama", "mistral") and name.endswith("k_proj.weight"):
-            blocks = _unpermute(blocks, num_kv_heads)
+        blocks = _hf_rows(arch, name, np.asarray(t.data), num_heads, num_kv_heads)  # [out, bytes]
         out[name] = GGUFWeight(torch.from_numpy(np.array(blocks, dtype=np.uint8)), qtype,
                                int(t.shape[0]))
     return out
