@@ -25,13 +25,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define NGRAMSPEC_AMX 1
-#include <immintrin.h>
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx_tiles.h"
 
 namespace {
 
@@ -104,16 +98,10 @@ torch::Tensor amx_pack(const torch::Tensor& blocks, int64_t qtype, int64_t K) {
 
 namespace {
 
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // tiles 0, 1: C (rows x 16 fp32); 2: A (rows x 32 bf16); 3, 4: B (16 pair-rows x 16 outputs).
 // rows = M for one chunk of M <= 16 rows (a decode stores one C row, not sixteen), else 16.
 inline void configure_tiles(int rows) {
-  TileConfig cfg;
+  ngramspec::TileConfig cfg;
   for (int i = 0; i < 5; ++i) {
     cfg.rows[i] = i < 3 ? static_cast<uint8_t>(rows) : 16;
     cfg.colsb[i] = 64;
@@ -226,13 +214,7 @@ void to_bf16_with_block_sums(const float* x, int64_t M, int64_t K, uint16_t* xb,
 
 }  // namespace
 
-bool amx_available() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  const bool amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
-  // Linux hands out the tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
-  return amx_bf16 && amx_tile && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-}
+bool amx_available() { return ngramspec::amx_permitted(); }
 
 // x: [M, K] float32 -> [M, N] float32 with w = amx_pack(...) of a GGUF matrix.
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype,
@@ -241,8 +223,7 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t
               "amx_linear: x must be a 2-D CPU float32 tensor");
   TORCH_CHECK(w.dim() == 3 && w.size(2) == tile_bytes(qtype) && w.size(1) * 32 == x.size(1),
               "amx_linear: weight was not packed for this type and input size");
-  static const bool usable = amx_available();  // also asks Linux for the tile state, once
-  TORCH_CHECK(usable, "amx_linear: AMX bf16 tiles are not available on this CPU");
+  TORCH_CHECK(ngramspec::amx_permitted(), "amx_linear: AMX bf16 tiles are not available on this CPU");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * 16;
   torch::Tensor out = torch::empty({M, N}, x.options());
   if (M == 0) return out;

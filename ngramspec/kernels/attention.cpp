@@ -21,15 +21,18 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
+#include "amx_tiles.h"
 #include "vec_math.h"
 
 namespace {
@@ -68,7 +71,8 @@ struct Cache {
   inline const T* vrow(int64_t slot, int64_t g) const { return v + (slot * KVH + g) * D; }
 };
 
-constexpr int kMaxQ = 8;  // queries sharing one pass over a chunk's keys
+constexpr int kMaxQ = 32;  // most queries sharing one pass over a chunk's keys (two AMX tiles)
+constexpr int kMaxQVector = 8;  // ... on the AVX-512 path (its accumulators live in registers)
 
 #if defined(__AVX512F__)
 
@@ -99,7 +103,7 @@ inline void transpose16(const __m512* r, __m512* c) {
   }
 }
 
-// Partial softmax attention of nq <= kMaxQ queries (ND * 16 dims each) over the same list
+// Partial softmax attention of nq <= kMaxQVector queries (ND * 16 dims each) over the same list
 // indices [i0, i1) (i0 % 16 == 0): out[n] = [max, sum, acc[0 .. D)], acc = sum_i exp(s_i - max) v_i.
 // Keys go through in transposed 16-key blocks, so a score is one FMA chain over the dims in
 // order, and every block's key loads serve all nq queries. A query's numbers do not depend on nq.
@@ -107,7 +111,7 @@ template <typename T, int ND>
 void chunk_partial(const Cache<T>& c, int64_t g, const float* const* qs, int nq, const KeyList& keys,
                    int64_t i0, int64_t i1, float scale, float* const* out) {
   constexpr int D = ND * 16;
-  alignas(64) float sc[kMaxQ][kChunk];
+  alignas(64) float sc[kMaxQVector][kChunk];
   alignas(64) float kt[D * 16];  // [D][16 keys]
   const int64_t n = i1 - i0;
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
@@ -119,7 +123,7 @@ void chunk_partial(const Cache<T>& c, int64_t g, const float* const* qs, int nq,
       transpose16(rows, cols);
       for (int e = 0; e < 16; ++e) _mm512_store_ps(kt + (16 * d + e) * 16, cols[e]);
     }
-    __m512 acc[kMaxQ];
+    __m512 acc[kMaxQVector];
     for (int q = 0; q < nq; ++q) acc[q] = _mm512_setzero_ps();
     for (int d = 0; d < D; ++d) {
       const __m512 kd = _mm512_load_ps(kt + d * 16);
@@ -169,6 +173,216 @@ void chunk_partial(const Cache<T>& c, int64_t g, const float* const* qs, int nq,
 
 #endif
 
+#if defined(NGRAMSPEC_AMX)
+
+inline __m512 widen_bf16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// x (32 floats as two halves) -> bf16 hi + lo with hi + lo = x to ~16 mantissa bits, so bf16
+// tile products keep the fp32 path's accuracy. Each is 32 bf16 in order.
+inline void split_bf16(__m512 x0, __m512 x1, __m512i& hi, __m512i& lo) {
+  hi = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
+  const __m512 h0 = widen_bf16(_mm512_castsi512_si256(hi));
+  const __m512 h1 = widen_bf16(_mm512_extracti64x4_epi64(hi, 1));
+  lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(x1, h1), _mm512_sub_ps(x0, h0));
+}
+
+// All eight tiles 16 rows x 64 bytes. Scores: tmm0-3 query B tiles (two halves x hi, lo), tmm4
+// key A tile, tmm6/7 score C tiles (one per half). Values: tmm0-3 output C tiles, tmm4/5
+// probability A tiles (hi, lo), tmm6/7 value B tiles.
+inline void configure_attention_tiles() {
+  ngramspec::TileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.rows[i] = 16;
+    cfg.colsb[i] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// The same partial as chunk_partial, on AMX tiles, for a bf16 cache and D % 32 == 0: scores
+// S^T [16 keys x 16 queries] = K [16 keys x 32 dims] . Q^T per tile product, the softmax runs
+// across queries (one query per lane), and out [16 queries x 16 dims] = P [16 x 32 keys] . V.
+// Up to 32 queries in two halves of 16 share every key tile and value interleave. Queries and
+// probabilities enter as bf16 hi + lo pairs. Query q sees the chunk's first lens[q] keys (a
+// causal prefill chunk's tokens share one pass); the keys it does not see get probability 0 and
+// add exact zeros, and every lane and tile row is computed independently of the others, so a
+// query's numbers do not depend on which queries share its pass.
+void chunk_partial_amx(const Cache<c10::BFloat16>& c, int64_t g, const float* const* qs,
+                       const int64_t* lens, int nq, const KeyList& keys, int64_t i0, int64_t n,
+                       float scale, float* const* out) {
+  const int64_t D = c.D, DB = D / 32;
+  const int halves = (nq + 15) / 16;
+  const int64_t n32 = (n + 31) / 32 * 32, blocks32 = n32 / 32;
+  alignas(64) uint32_t qb[8][2][2][16][16];     // [dim block][half][hi, lo][dim pair][query]
+  alignas(64) float sc[kChunk][2][16];          // [key][half][query]: scores, then exp
+  alignas(64) uint16_t pb[kChunk / 32][2][2][16][32];  // [key block][half][hi, lo][query][key]
+  alignas(64) uint16_t kbuf[16 * 256];          // a block's gathered keys [16][D]
+  alignas(64) uint16_t vb[kChunk / 32][4][16][32];  // [key block][16-dim tile][key pair][dim, key]
+  alignas(64) float ob[16][16];
+  const __m512 vscale = _mm512_set1_ps(scale);
+  // 1. queries (scaled) -> hi/lo bf16, pair-transposed into B tiles
+  for (int h = 0; h < halves; ++h)
+    for (int64_t db = 0; db < DB; ++db) {
+      __m512 hi[16], lo[16], cols[16];
+      for (int r = 0; r < 16; ++r) {
+        const int q = 16 * h + r;
+        __m512i vh = _mm512_setzero_si512(), vl = _mm512_setzero_si512();
+        if (q < nq) split_bf16(_mm512_mul_ps(_mm512_loadu_ps(qs[q] + db * 32), vscale),
+                               _mm512_mul_ps(_mm512_loadu_ps(qs[q] + db * 32 + 16), vscale), vh, vl);
+        hi[r] = _mm512_castsi512_ps(vh);
+        lo[r] = _mm512_castsi512_ps(vl);
+      }
+      transpose16(hi, cols);
+      for (int r = 0; r < 16; ++r) _mm512_store_ps(reinterpret_cast<float*>(qb[db][h][0][r]), cols[r]);
+      transpose16(lo, cols);
+      for (int r = 0; r < 16; ++r) _mm512_store_ps(reinterpret_cast<float*>(qb[db][h][1][r]), cols[r]);
+    }
+  // 2. scores, 16 keys per tile product; keys read in place where a block's slots are consecutive
+  const uint16_t* kc = reinterpret_cast<const uint16_t*>(c.k);
+  for (int64_t b0 = 0; b0 < n; b0 += 16) {
+    const int64_t nk = std::min<int64_t>(16, n - b0);
+    const int64_t s0 = keys.slot(i0 + b0);
+    bool consecutive = nk == 16;
+    for (int64_t j = 1; consecutive && j < 16; ++j) consecutive = keys.slot(i0 + b0 + j) == s0 + j;
+    const uint16_t* src;
+    int64_t stride;
+    if (consecutive) {
+      src = kc + (s0 * c.KVH + g) * D;
+      stride = c.KVH * D * 2;
+    } else {
+      for (int64_t j = 0; j < 16; ++j) {
+        if (j < nk) std::memcpy(kbuf + j * D, kc + (keys.slot(i0 + b0 + j) * c.KVH + g) * D, D * 2);
+        else std::memset(kbuf + j * D, 0, D * 2);
+      }
+      src = kbuf;
+      stride = D * 2;
+    }
+    // one accumulator per half (tmm6, tmm7): two independent chains
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t db = 0; db < DB; ++db) {
+      _tile_loadd(4, src + db * 32, stride);
+      _tile_loadd(0, qb[db][0][0], 64);
+      _tile_loadd(1, qb[db][0][1], 64);
+      _tile_dpbf16ps(6, 4, 0);
+      if (halves > 1) {
+        _tile_loadd(2, qb[db][1][0], 64);
+        _tile_loadd(3, qb[db][1][1], 64);
+        _tile_dpbf16ps(7, 4, 2);
+      }
+      _tile_dpbf16ps(6, 4, 1);
+      if (halves > 1) _tile_dpbf16ps(7, 4, 3);
+    }
+    _tile_stored(6, sc[b0][0], 128);
+    if (halves > 1) _tile_stored(7, sc[b0][1], 128);
+  }
+  // 3. values pair-interleaved into B tiles once for both halves (at most 64 dims at a time)
+  const uint16_t* vc = reinterpret_cast<const uint16_t*>(c.v);
+  alignas(64) static const uint16_t kPairIdx[2][32] = {
+      {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+      {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+       24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
+  const __m512i pair_lo = _mm512_load_si512(kPairIdx[0]), pair_hi = _mm512_load_si512(kPairIdx[1]);
+  auto interleave_values = [&](int64_t d0, int nt) {
+    for (int64_t j = 0; j < n32; j += 2) {  // keys j, j + 1 -> pair row (j % 32) / 2 of block j / 32
+      const uint16_t* va = j < n ? vc + (keys.slot(i0 + j) * c.KVH + g) * D + d0 : nullptr;
+      const uint16_t* vbp = j + 1 < n ? vc + (keys.slot(i0 + j + 1) * c.KVH + g) * D + d0 : nullptr;
+      for (int hd = 0; hd < nt / 2; ++hd) {  // 32 dims at a time
+        const __m512i a = va ? _mm512_loadu_si512(va + 32 * hd) : _mm512_setzero_si512();
+        const __m512i b = vbp ? _mm512_loadu_si512(vbp + 32 * hd) : _mm512_setzero_si512();
+        _mm512_store_si512(vb[j / 32][2 * hd][(j % 32) / 2], _mm512_permutex2var_epi16(a, pair_lo, b));
+        _mm512_store_si512(vb[j / 32][2 * hd + 1][(j % 32) / 2], _mm512_permutex2var_epi16(a, pair_hi, b));
+      }
+    }
+  };
+  for (int h = 0; h < halves; ++h) {
+    // 4. softmax numerators per query lane, over the keys that query sees
+    alignas(64) int32_t len32[16];
+    for (int r = 0; r < 16; ++r) len32[r] = 16 * h + r < nq ? static_cast<int32_t>(lens[16 * h + r]) : 0;
+    const __m512i lenv = _mm512_load_si512(len32);
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n; ++j) {
+      const __mmask16 m = _mm512_cmpgt_epi32_mask(lenv, _mm512_set1_epi32(static_cast<int32_t>(j)));
+      vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_load_ps(sc[j][h]));
+    }
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const __mmask16 m = _mm512_cmpgt_epi32_mask(lenv, _mm512_set1_epi32(static_cast<int32_t>(j)));
+      const __m512 e = _mm512_maskz_mov_ps(m, ngramspec::exp16(_mm512_sub_ps(_mm512_load_ps(sc[j][h]), vmax)));
+      _mm512_store_ps(sc[j][h], e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    for (int64_t j = n; j < n32; ++j) _mm512_store_ps(sc[j][h], _mm512_setzero_ps());
+    alignas(64) float mx[16], sm[16];
+    _mm512_store_ps(mx, vmax);
+    _mm512_store_ps(sm, vsum);
+    for (int r = 0; r < 16 && 16 * h + r < nq; ++r) {
+      out[16 * h + r][0] = mx[r];
+      out[16 * h + r][1] = sm[r];
+    }
+    // 5. probabilities -> A tiles [query][32 keys], hi + lo
+    for (int64_t kb = 0; kb < blocks32; ++kb) {
+      __m512 r0[16], r1[16], t0[16], t1[16];
+      for (int j = 0; j < 16; ++j) {
+        r0[j] = _mm512_load_ps(sc[kb * 32 + j][h]);
+        r1[j] = _mm512_load_ps(sc[kb * 32 + 16 + j][h]);
+      }
+      transpose16(r0, t0);
+      transpose16(r1, t1);
+      for (int r = 0; r < 16; ++r) {
+        __m512i vh, vl;
+        split_bf16(t0[r], t1[r], vh, vl);
+        _mm512_store_si512(pb[kb][h][0][r], vh);
+        _mm512_store_si512(pb[kb][h][1][r], vl);
+      }
+    }
+  }
+  // 6. values: out tiles of 16 dims, four at a time (tmm0-3), keys in block order
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    const int nt = static_cast<int>(std::min<int64_t>(4, (D - d0) / 16));
+    interleave_values(d0, nt);
+    for (int h = 0; h < halves; ++h) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kb = 0; kb < blocks32; ++kb) {
+        _tile_loadd(4, pb[kb][h][0], 64);
+        _tile_loadd(5, pb[kb][h][1], 64);
+        // tile numbers are immediates: one branch per output tile
+        _tile_loadd(6, vb[kb][0], 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(0, 5, 6);
+        if (nt > 1) {
+          _tile_loadd(7, vb[kb][1], 64);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(1, 5, 7);
+        }
+        if (nt > 2) {
+          _tile_loadd(6, vb[kb][2], 64);
+          _tile_dpbf16ps(2, 4, 6);
+          _tile_dpbf16ps(2, 5, 6);
+        }
+        if (nt > 3) {
+          _tile_loadd(7, vb[kb][3], 64);
+          _tile_dpbf16ps(3, 4, 7);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      const int rows = std::min(16, nq - 16 * h);
+      for (int t = 0; t < nt; ++t) {
+        switch (t) { case 0: _tile_stored(0, ob, 64); break; case 1: _tile_stored(1, ob, 64); break;
+                     case 2: _tile_stored(2, ob, 64); break; default: _tile_stored(3, ob, 64); break; }
+        for (int r = 0; r < rows; ++r) std::memcpy(out[16 * h + r] + 2 + d0 + 16 * t, ob[r], 64);
+      }
+    }
+  }
+}
+
+#endif
+
 // Portable partial (any head size): the same chunking, scalar arithmetic, one query at a time.
 template <typename T>
 void chunk_partial_scalar(const Cache<T>& c, int64_t g, const float* qv, const KeyList& keys,
@@ -195,11 +409,30 @@ void chunk_partial_scalar(const Cache<T>& c, int64_t g, const float* qv, const K
   out[1] = sum;
 }
 
-// Chunk `chunk` of the key list for nq queries that share it.
+// Whether a cache of dtype T and head size D runs on the AMX path (else AVX-512 / scalar). One
+// answer per (dtype, head size, machine): a decode and a tree verify take the same path.
 template <typename T>
-void partials(const Cache<T>& c, int64_t g, const float* const* qs, int nq, const KeyList& keys,
-              int64_t chunk, float scale, float* const* out) {
+bool use_amx(int64_t D) {
+#if defined(NGRAMSPEC_AMX)
+  return std::is_same_v<T, c10::BFloat16> && D % 32 == 0 && D <= 256 && ngramspec::amx_permitted();
+#else
+  (void)D;
+  return false;
+#endif
+}
+
+// Chunk `chunk` of the key list for nq queries that share it; query q sees its first lens[q]
+// keys (the AMX path's causal sharing; elsewhere every query sees the whole chunk).
+template <typename T>
+void partials(const Cache<T>& c, int64_t g, const float* const* qs, const int64_t* lens, int nq,
+              const KeyList& keys, int64_t chunk, float scale, bool amx, float* const* out) {
   const int64_t i0 = chunk * kChunk, i1 = std::min(keys.L, i0 + kChunk);
+#if defined(NGRAMSPEC_AMX)
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    if (amx) return chunk_partial_amx(c, g, qs, lens, nq, keys, i0, i1 - i0, scale, out);
+#endif
+  (void)lens;
+  (void)amx;
 #if defined(__AVX512F__)
   switch (c.D) {
     case 64: return chunk_partial<T, 4>(c, g, qs, nq, keys, i0, i1, scale, out);
@@ -222,10 +455,12 @@ void write_rows(const torch::Tensor& src, torch::Tensor& cache, const int64_t* s
 }
 
 // A work item: chunk `chunk` of the key list of up to kMaxQ queries (token, head) of kv head
-// `group` that share it: all of a sequence's tokens for a chunk inside its prefix, one token's
-// heads for a chunk that reaches its own query tokens.
+// `group` that share it: all of a sequence's tokens for a chunk inside its prefix; in a causal
+// chunk, the tokens whose lists cover the chunk (on the AMX path: every token that reaches into
+// it, each seeing its own length); else one token's heads for a chunk that reaches its own query
+// tokens.
 struct Item {
-  int64_t chunk, group, list_token;  // list_token: whose key list (the same over the chunk)
+  int64_t chunk, group, list_token;  // list_token: the longest key list of the item's tokens
   int nq;
   int64_t tokens[kMaxQ], heads[kMaxQ];
 };
@@ -237,6 +472,8 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
                   const torch::Tensor& prefix_offsets, const torch::Tensor& local,
                   const torch::Tensor& local_offsets, const torch::Tensor& causal, double scale) {
   const int64_t Tq = q.size(0), H = q.size(1), D = q.size(2), KVH = kc.size(1), G = H / KVH;
+  const bool amx = use_amx<T>(D);
+  const int max_q = amx ? kMaxQ : kMaxQVector;
   write_rows<T>(k, kc, slot_mapping.data_ptr<int64_t>());
   write_rows<T>(v, vc, slot_mapping.data_ptr<int64_t>());
   torch::Tensor out = torch::empty({Tq, H * D}, q.options().dtype(torch::kFloat32));
@@ -270,16 +507,16 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
         auto flush = [&]() { if (it.nq) { items.push_back(it); it.nq = 0; } };
         for (int64_t t = so[b]; t < so[b + 1]; ++t) {
           if (c >= base[t + 1] - base[t]) continue;
-          // Tokens whose lists agree over the whole chunk share it: inside the prefix, and in a
-          // causal chunk (each token's local slots extend the previous token's) wherever the
-          // token's list covers the chunk.
-          const bool shared = (c + 1) * kChunk <= (cz[b] ? lists[t].L : P);
+          // Tokens whose lists agree over the chunk share it: inside the prefix, and in a causal
+          // chunk (each token's list extends the previous token's) wherever the token's list
+          // covers the chunk, or on the AMX path wherever it reaches into it (lengths per query).
+          const bool shared = cz[b] ? amx || (c + 1) * kChunk <= lists[t].L : (c + 1) * kChunk <= P;
           if (!shared) flush();
-          if (it.nq == 0) it.list_token = t;  // a token whose list covers the chunk
           for (int64_t h = g * G; h < (g + 1) * G; ++h) {
+            it.list_token = t;  // tokens come in order: in a causal chunk, the longest list last
             it.tokens[it.nq] = t;
             it.heads[it.nq++] = h;
-            if (it.nq == kMaxQ) flush();
+            if (it.nq == max_q) flush();
           }
           if (!shared) flush();
         }
@@ -297,17 +534,31 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   auto part_of = [&](int64_t t, int64_t h, int64_t c) {
     return parts.data() + ((base[t] + c) * H + h) * stride;
   };
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
+  // Items differ in cost (a shared prefix chunk of 32 queries vs a tree token's few own keys), so
+  // threads take them one at a time in order (chunk-major: neighbours share keys) rather than in
+  // fixed ranges. Which thread computes an item does not change its numbers.
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(n_items, 1));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+#if defined(NGRAMSPEC_AMX)
+    if (amx) configure_attention_tiles();
+#endif
+    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
       const Item& it = items[i];
       const float* qs[kMaxQ];
       float* outs[kMaxQ];
+      int64_t lens[kMaxQ];
       for (int q = 0; q < it.nq; ++q) {
         qs[q] = qp + (it.tokens[q] * H + it.heads[q]) * D;
         outs[q] = part_of(it.tokens[q], it.heads[q], it.chunk);
+        lens[q] = std::min(lists[it.tokens[q]].L - it.chunk * kChunk, kChunk);
       }
-      partials<T>(cache, it.group, qs, it.nq, lists[it.list_token], it.chunk, sc, outs);
+      partials<T>(cache, it.group, qs, lens, it.nq, lists[it.list_token], it.chunk, sc, amx, outs);
     }
+#if defined(NGRAMSPEC_AMX)
+    if (amx) _tile_release();
+#endif
   });
   // merge each query's chunk partials in chunk order
   float* op = out.data_ptr<float>();
