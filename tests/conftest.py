@@ -158,6 +158,65 @@ def tiny_model_dirs(tmp_path_factory, model_dir: Path) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory, model_dir: Path) -> Path:
+    """A random-weight 2-layer Llama GGUF whose matrices are Q8_0, Q4_1 and Q4_0 blocks (all
+    three kernel types), with the bundled GGUF's tokenizer (so its 49152-token vocabulary)."""
+    import gguf
+    import numpy as np
+    from gguf.quants import quantize
+
+    from ngramspec.models.loader import default_model_path
+
+    source = gguf.GGUFReader(str(default_model_path()))
+    vocab = len(source.fields["tokenizer.ggml.tokens"].contents())
+    hidden, ffn, heads, kv_heads, layers = 64, 96, 4, 2, 2
+    path = tmp_path_factory.mktemp("tiny-gguf") / "tiny-q.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (("context_length", 512), ("embedding_length", hidden), ("block_count", layers),
+                       ("feed_forward_length", ffn), ("attention.head_count", heads),
+                       ("attention.head_count_kv", kv_heads), ("vocab_size", vocab),
+                       ("rope.dimension_count", hidden // heads)):
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.rope.freq_base", 50000.0)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    for key, field in source.fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, field.contents(), field.types[0], sub)
+    rng = np.random.default_rng(7)
+    Q = gguf.GGMLQuantizationType
+
+    def matrix(name: str, rows: int, cols: int, qtype) -> None:
+        x = (rng.standard_normal((rows, cols)) * 0.5 / cols ** 0.5).astype(np.float32)
+        w.add_tensor(name, quantize(x, qtype), raw_dtype=qtype)  # shape from the block bytes
+
+    def vector(name: str, n: int) -> None:
+        w.add_tensor(name, (1.0 + 0.2 * rng.standard_normal(n)).astype(np.float32))
+
+    matrix("token_embd.weight", vocab, hidden, Q.Q8_0)
+    matrix("output.weight", vocab, hidden, Q.Q4_1)
+    vector("output_norm.weight", hidden)
+    head_dim = hidden // heads
+    for i in range(layers):
+        vector(f"blk.{i}.attn_norm.weight", hidden)
+        vector(f"blk.{i}.ffn_norm.weight", hidden)
+        # layer 0 mixes types inside q/k/v and gate/up (one kernel per matrix), layer 1 does not
+        mixed = i == 0
+        matrix(f"blk.{i}.attn_q.weight", hidden, hidden, Q.Q8_0)
+        matrix(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden, Q.Q4_0 if mixed else Q.Q8_0)
+        matrix(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden, Q.Q4_1 if mixed else Q.Q8_0)
+        matrix(f"blk.{i}.attn_output.weight", hidden, hidden, Q.Q4_0)
+        matrix(f"blk.{i}.ffn_gate.weight", ffn, hidden, Q.Q4_1)
+        matrix(f"blk.{i}.ffn_up.weight", ffn, hidden, Q.Q8_0 if mixed else Q.Q4_1)
+        matrix(f"blk.{i}.ffn_down.weight", hidden, ffn, Q.Q4_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_hf_models(tiny_model_dirs: dict[str, Path]) -> dict[str, torch.nn.Module]:
     from transformers import AutoModelForCausalLM
 

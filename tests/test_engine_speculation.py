@@ -51,11 +51,23 @@ def test_greedy_spec_equals_plain_with_staggered_arrivals(llm, spec_llm):
         check_divergence(llm, name, prompt, seq.output_ids, ref)
 
 
-def test_greedy_spec_equals_plain_in_gguf_mode():
-    """The GGUF block kernels: speculative output equals this mode's own plain decoding."""
+def _amx() -> bool:
+    from ngramspec.kernels import cpu_kernels, kernels_available
+
+    return kernels_available() and cpu_kernels().amx_available()
+
+
+@pytest.mark.parametrize("mode", [
+    {"quantization": "gguf"},
+    pytest.param({"dtype": "bfloat16"}, marks=pytest.mark.skipif(
+        not _amx(), reason="bf16 linears are row-invariant only on AMX tiles (oneDNN elsewhere)")),
+], ids=["gguf", "bfloat16"])
+def test_greedy_spec_equals_plain_in_faster_modes(mode):
+    """The GGUF block kernels and bf16 on AMX: speculative output equals the mode's own plain
+    decoding."""
     prompts = spec_prompts()[::2]
-    plain_llm = LLM(num_threads=2, quantization="gguf")
-    spec = LLM(num_threads=2, quantization="gguf", speculative="ngram", verify_cost=FLAT_COST)
+    plain_llm = LLM(num_threads=2, **mode)
+    spec = LLM(num_threads=2, speculative="ngram", verify_cost=FLAT_COST, **mode)
     params = [SamplingParams(temperature=0, max_tokens=m) for _, _, m in prompts]
     plain = plain_llm.generate([p for _, p, _ in prompts], params)
     ours = spec.generate([p for _, p, _ in prompts], params)
@@ -207,8 +219,8 @@ def _chi_square_p(counts: dict, expected: dict[tuple, float], n: int) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(stat / 2.0)))
 
 
-def _tiny_llm(tiny_model_dirs, **options) -> LLM:
-    return LLM(model=str(tiny_model_dirs["llama"]), num_threads=2, max_num_seqs=256,
+def _tiny_llm(tiny_model_dirs, model=None, **options) -> LLM:
+    return LLM(model=str(model or tiny_model_dirs["llama"]), num_threads=2, max_num_seqs=256,
                max_num_batched_tokens=4096, **options)
 
 
@@ -226,15 +238,17 @@ def _fields(params: SamplingParams) -> dict:
     return {k: getattr(params, k) for k in params.__slots__}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_sampling_with_speculation_keeps_the_target_distribution(tiny_model_dirs, dtype):
+@pytest.mark.parametrize("mode", ["float32", "bfloat16", "gguf"])
+def test_sampling_with_speculation_keeps_the_target_distribution(tiny_model_dirs, tiny_gguf, mode):
+    """In each weight mode (gguf: a tiny random GGUF of Q4_0/Q4_1/Q8_0 blocks)."""
+    options = {"model": tiny_gguf, "quantization": "gguf"} if mode == "gguf" else {"dtype": mode}
     prompt = [5, 17, 42, 99, 7, 3]
     params = SamplingParams(temperature=0.9, top_k=6, top_p=0.95, presence_penalty=0.7,
                             max_tokens=3, ignore_eos=True)
-    exact = _exact_joint(_tiny_llm(tiny_model_dirs, dtype=dtype).engine, prompt, params)
+    exact = _exact_joint(_tiny_llm(tiny_model_dirs, **options).engine, prompt, params)
     support = sorted({t for key in exact for t in key})
-    llm = _tiny_llm(tiny_model_dirs, dtype=dtype, speculative="ngram", draft_sizing="full",
-                    custom_drafter=RandomTreeDrafter(support + [0, 1]))
+    llm = _tiny_llm(tiny_model_dirs, speculative="ngram", draft_sizing="full",
+                    custom_drafter=RandomTreeDrafter(support + [0, 1]), **options)
     engine = llm.engine
     n = 2400
     spec_counts = _sample(llm, prompt, params, n, seed0=10_000)

@@ -92,3 +92,59 @@ def test_quantization_auto_picks_the_gguf_kernels_for_a_gguf_model_on_cpu():
     assert EngineConfig(quantization="gguf", model="x.gguf").uses_gguf_kernels
     with pytest.raises(ValueError, match="computes in float32"):
         EngineConfig(quantization="gguf", dtype="bfloat16")
+
+
+# ------------------------------------------------------------------ dense bf16 on AMX tiles
+
+needs_amx = pytest.mark.skipif(not cpu_kernels().amx_available(), reason="no AMX bf16 tiles here")
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
+def test_bf16_linear_on_tiles_matches_matmul(rows):
+    from ngramspec.layers.linear import Linear
+
+    layer = Linear(96, 48).to(torch.bfloat16)
+    layer.pack()
+    assert layer.amx is not None
+    x = torch.randn(rows, 96).bfloat16()
+    ref = x.double() @ layer.weight.double().T + layer.bias.double()
+    torch.testing.assert_close(layer(x).double(), ref, rtol=1e-2, atol=1e-2)  # bf16 output
+    exact = cpu_kernels().amx_linear_bf16(x, layer.amx, None).double()  # fp32 sums
+    torch.testing.assert_close(exact, x.double() @ layer.weight.double().T, rtol=1e-5, atol=1e-4)
+
+
+@needs_amx
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 5), st.integers(1, 4), st.integers(0, 2**31))
+def test_bf16_tile_rows_are_bitwise_the_same_alone_or_in_a_batch(rows, tiles, blocks, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(16 * tiles, 32 * blocks, generator=g).bfloat16()
+    packed = cpu_kernels().amx_pack_bf16(w)
+    x = torch.randn(rows, 32 * blocks, generator=g).bfloat16()
+    batch = cpu_kernels().amx_linear_bf16(x, packed, None)
+    for r in range(rows):
+        assert torch.equal(cpu_kernels().amx_linear_bf16(x[r : r + 1], packed, None)[0], batch[r])
+
+
+def test_mixed_block_types_run_one_kernel_per_matrix_and_stay_lossless(tiny_gguf):
+    """Layer 0 of the tiny GGUF mixes types inside q/k/v and gate/up: one kernel per matrix,
+    outputs side by side; greedy speculation still equals plain decoding."""
+    from ngramspec import LLM, SamplingParams
+    from ngramspec.layers.gguf_linear import GGUFStack
+
+    plain = LLM(model=str(tiny_gguf), num_threads=2, quantization="gguf")
+    model = plain.engine.runner.model
+    assert isinstance(model.layers[0].self_attn.qkv_proj, GGUFStack)
+    assert isinstance(model.layers[0].mlp.gate_up_proj, GGUFStack)
+    assert isinstance(model.layers[1].self_attn.qkv_proj, GGUFLinear)
+    x = torch.randn(5, 64)
+    stack = model.layers[0].self_attn.qkv_proj
+    assert torch.equal(stack(x), torch.cat([p(x) for p in stack.parts], dim=1))
+    spec = LLM(model=str(tiny_gguf), num_threads=2, quantization="gguf", speculative="ngram",
+               verify_cost=[1.0] * 14)
+    prompts = [[5, 17, 42, 99, 7, 3] * 4, list(range(100, 140)) * 2, [9, 8, 7, 6] * 10]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    for prompt in prompts:
+        assert spec.generate(prompt, params)[0].token_ids == plain.generate(prompt, params)[0].token_ids
+    assert spec.engine.stats.num_accepted_tokens > 0

@@ -20,6 +20,9 @@ void rope_(torch::Tensor qkv, const torch::Tensor& cos, const torch::Tensor& sin
            int64_t head_dim);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
 
+torch::Tensor amx_pack_bf16(const torch::Tensor& w);
+torch::Tensor amx_linear_bf16(const torch::Tensor& x, const torch::Tensor& w,
+                              const c10::optional<torch::Tensor>& bias);
 torch::Tensor amx_pack(const torch::Tensor& blocks, int64_t qtype, int64_t K);
 bool amx_available();
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype,
@@ -34,6 +37,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_pack", &amx_pack, "GGUF blocks re-ordered into AMX tiles (same bits)");
   m.def("amx_available", &amx_available, "whether AMX bf16 tiles can run here (asks Linux once)");
   m.def("amx_linear", &amx_linear, "x @ dequant(w).T on AMX tiles (bf16 products, fp32 sums)");
+  m.def("amx_pack_bf16", &amx_pack_bf16, "a bf16 matrix re-ordered into AMX B tiles");
+  m.def("amx_linear_bf16", &amx_linear_bf16, "x @ w.T on AMX tiles, each row as alone (fp32 sums)");
   m.def("rms_norm", &rms_norm, "RMSNorm(x) * weight, row by row");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual) * weight");
   m.def("rope_", &rope_, "rotary embedding in place on the q and k heads of a fused qkv row");

@@ -79,6 +79,27 @@ class GGUFLinear(nn.Module):
         return f"{self.in_features}, {self.out_features}, {TYPE_NAMES[self.qtype]}, {kernel}"
 
 
+class GGUFStack(nn.Module):
+    """Matrices of different block types whose outputs the model fuses (q/k/v, gate/up): one
+    kernel call per matrix, outputs side by side. Each part is row-invariant, so the whole is."""
+
+    def __init__(self, parts: list[GGUFWeight], bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        sizes = [p.out_features for p in parts]
+        biases = list(bias.split(sizes)) if bias is not None else [None] * len(parts)
+        self.parts = nn.ModuleList(GGUFLinear(w, b) for w, b in zip(parts, biases))
+        self.in_features, self.out_features = parts[0].in_features, sum(sizes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] float32 -> [T, sum(out)]
+        return torch.cat([p(x) for p in self.parts], dim=1)
+
+
+def gguf_linear(parts: list[GGUFWeight], bias: torch.Tensor | None = None) -> nn.Module:
+    """One module for the rows of `parts` stacked: a single kernel when their types agree."""
+    fused = GGUFWeight.concat(parts)
+    return GGUFLinear(fused, bias) if fused is not None else GGUFStack(parts, bias)
+
+
 class GGUFEmbedding(nn.Module):
     def __init__(self, weight: GGUFWeight) -> None:
         super().__init__()

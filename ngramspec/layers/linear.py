@@ -7,6 +7,10 @@ flat: measured here on SmolLM2's shapes, 2 to 4 rows cost the same as 1 (the 491
 2.1 / 2.3 / 2.4 ms at 1 / 2 / 4 rows, against 2.5 / 3.7 / 3.8 ms unpacked), and every row count
 up to a 128-token prefill chunk is faster too. That flat curve is what makes verifying a draft
 tree nearly free on a CPU.
+
+bf16 weights on a CPU with AMX run on AMX tiles instead (`kernels/amx_dense.cpp`): oneDNN's bf16
+blocking depends on the row count, so a token's sums differ inside a draft tree and bf16
+speculation drifts from bf16 plain decoding; the tile kernel computes each row as it would alone.
 """
 
 from __future__ import annotations
@@ -24,8 +28,19 @@ def _onednn_ok(t: torch.Tensor) -> bool:
     return t.is_cpu and t.dtype in _ONEDNN_DTYPES and torch.backends.mkldnn.is_available()
 
 
+def _amx_bf16_kernels():
+    """The compiled kernels if bf16 AMX tiles run here, else None."""
+    from ngramspec.kernels import cpu_kernels, kernels_available
+
+    if not kernels_available():
+        return None
+    kernels = cpu_kernels()
+    return kernels if kernels.amx_available() else None
+
+
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None  # the weight in oneDNN's layout (CPU only), or None
+    amx: torch.Tensor | None = None  # bf16 weight in AMX tile order (CPU with AMX), or None
 
     def pack(self) -> None:
         """Reorder the weight for oneDNN; call after the last dtype/device move.
@@ -33,8 +48,14 @@ class Linear(nn.Linear):
         The plain weight is kept (state_dict, other devices), so packing costs a second copy of
         the linear weights in host memory.
         """
-        self.packed = None
-        if not _onednn_ok(self.weight):
+        self.packed = self.amx = None
+        w = self.weight
+        if (w.is_cpu and w.dtype == torch.bfloat16 and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0
+                and (kernels := _amx_bf16_kernels()) is not None):
+            self._kernels = kernels
+            self.amx = kernels.amx_pack_bf16(w.detach())
+            return
+        if not _onednn_ok(w):
             return
         try:
             with torch.no_grad():
@@ -44,6 +65,8 @@ class Linear(nn.Linear):
             self.packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
+        if self.amx is not None and x.is_cpu and x.dtype == torch.bfloat16:
+            return self._kernels.amx_linear_bf16(x, self.amx, self.bias).to(x.dtype)
         if _onednn_ok(x):
             weight = self.packed if self.packed is not None else self.weight
             return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")

@@ -152,9 +152,9 @@ class LlamaForCausalLM(nn.Module):
 
     def use_gguf_weights(self, weights: dict) -> None:
         """Swap linears (and the embedding) for GGUF block kernels where `weights` ({HF name:
-        GGUFWeight}) has them; q/k/v and gate/up fuse only when their types agree. Call after
-        `load_hf_state_dict` (biases and norms come from there)."""
-        from ngramspec.layers.gguf_linear import GGUFEmbedding, GGUFLinear, GGUFWeight
+        GGUFWeight}) has them; q/k/v and gate/up run as one kernel when their types agree, else
+        one per matrix. Call after `load_hf_state_dict` (biases and norms come from there)."""
+        from ngramspec.layers.gguf_linear import GGUFEmbedding, GGUFLinear, gguf_linear
 
         def get(name: str):
             return weights.get(f"model.{name}.weight")
@@ -162,16 +162,13 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = [get(f"{p}self_attn.{x}_proj") for x in "qkv"]
-            fused = GGUFWeight.concat(qkv) if all(w is not None for w in qkv) else None
-            pairs = [("qkv_proj", attn, fused), ("o_proj", attn, get(f"{p}self_attn.o_proj")),
-                     ("down_proj", mlp, get(f"{p}mlp.down_proj"))]
-            gate_up = [get(f"{p}mlp.gate_proj"), get(f"{p}mlp.up_proj")]
-            if all(w is not None for w in gate_up):
-                pairs.append(("gate_up_proj", mlp, GGUFWeight.concat(gate_up)))
-            for attr, owner, w in pairs:
-                if w is not None:
-                    setattr(owner, attr, GGUFLinear(w, getattr(owner, attr).bias))
+            groups = [("qkv_proj", attn, [get(f"{p}self_attn.{x}_proj") for x in "qkv"]),
+                      ("o_proj", attn, [get(f"{p}self_attn.o_proj")]),
+                      ("gate_up_proj", mlp, [get(f"{p}mlp.gate_proj"), get(f"{p}mlp.up_proj")]),
+                      ("down_proj", mlp, [get(f"{p}mlp.down_proj")])]
+            for attr, owner, parts in groups:
+                if all(w is not None for w in parts):  # else the dense weights stay
+                    setattr(owner, attr, gguf_linear(parts, getattr(owner, attr).bias))
         embed = get("embed_tokens")
         head = weights.get("lm_head.weight", embed)  # tied when the file has no output.weight
         if embed is not None:
