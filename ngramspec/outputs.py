@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ngramspec.engine.logprobs import TokenLogprob
 from ngramspec.engine.sequence import Sequence
 
 
@@ -27,6 +28,7 @@ class RequestOutput:
     finish_reason: str | None
     metrics: RequestMetrics | None = None
     extra: dict = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None  # per output token, when params.logprobs is set
 
     @property
     def finished(self) -> bool:
@@ -52,5 +54,6 @@ def build_output(seq: Sequence, tokenizer) -> RequestOutput:
             num_accepted_tokens=seq.spec.num_accepted_tokens,
             mean_acceptance_length=seq.spec.mean_acceptance_length,
         )
+    logprobs = list(seq.logprobs) if seq.params.logprobs is not None else None
     return RequestOutput(seq.request_id, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids,
-                         output_text(seq, tokenizer), seq.finish_reason, metrics)
+                         output_text(seq, tokenizer), seq.finish_reason, metrics, logprobs=logprobs)

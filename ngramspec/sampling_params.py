@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # top alternatives a token may report (OpenAI's top_logprobs bound)
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -20,6 +23,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     speculative: bool = True  # lets a request opt out of speculation
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's and the k most likely
+    logprobs_mode: str = "raw_logprobs"  # or "processed_logprobs" (see engine/logprobs.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +51,12 @@ class SamplingParams:
             _check(_is_number(value) and -2 <= value <= 2, name, value, "must be in [-2, 2]")
         _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
                "repetition_penalty", self.repetition_penalty, "must be > 0")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int)
+                                         and not isinstance(self.logprobs, bool)
+                                         and 0 <= self.logprobs <= MAX_LOGPROBS),
+               "logprobs", self.logprobs, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        _check(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", self.logprobs_mode,
+               f"must be one of {LOGPROBS_MODES}")
 
     @property
     def greedy(self) -> bool:

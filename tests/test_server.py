@@ -174,6 +174,45 @@ def test_chat_matches_llm_chat(client: openai.OpenAI, llm: LLM) -> None:
     assert "".join(d.content or "" for d in deltas) == expected
 
 
+def _logprob_rows(entries) -> list[tuple[str, float, list[str]]]:
+    return [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in entries]
+
+
+def test_chat_logprobs_equal_plain_streamed_or_not_spec_on_or_off(client: openai.OpenAI,
+                                                                  llm: LLM) -> None:
+    """The server speculates; `llm` decodes plainly: same tokens, logprobs within 1e-4."""
+    messages = [{"role": "user", "content": "Name three colours."}]
+    ref = llm.chat(messages, SamplingParams(**GREEDY, logprobs=3))[0]
+    text = llm.tokenizer.decode
+    expected = [(text([e.token_id]), e.logprob, [text([t]) for t, _ in e.top]) for e in ref.logprobs]
+    for spec in (True, False):
+        kw = dict(model=MODEL, messages=messages, logprobs=True, top_logprobs=3,
+                  extra_body={"ngram": {"enabled": spec}}, **GREEDY)
+        resp = client.chat.completions.create(**kw)
+        assert resp.choices[0].message.content == ref.text
+        streamed = [e for c in client.chat.completions.create(stream=True, **kw)
+                    if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        for got in (_logprob_rows(resp.choices[0].logprobs.content), _logprob_rows(streamed)):
+            assert [(t, top) for t, _, top in got] == [(t, top) for t, _, top in expected]
+            assert all(abs(a - b) <= 1e-4 for (_, a, _), (_, b, _) in zip(got, expected))
+
+
+def test_completion_logprobs_list_every_token(client: openai.OpenAI, llm: LLM) -> None:
+    prompt = "The capital of France is"
+    ref = llm.generate(prompt, SamplingParams(**GREEDY, logprobs=2))[0]
+    resp = client.completions.create(model=MODEL, prompt=prompt, logprobs=2, **GREEDY)
+    lp = resp.choices[0].logprobs
+    assert "".join(lp.tokens) == resp.choices[0].text == ref.text
+    assert all(abs(a - e.logprob) <= 1e-4 for a, e in zip(lp.token_logprobs, ref.logprobs))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(len(top) == 2 and max(top.values()) >= lp.token_logprobs[i] - 1e-6
+               for i, top in enumerate(lp.top_logprobs))
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, logprobs=2, stream=True,
+                                            **GREEDY))
+    offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == lp.text_offset
+
+
 def test_stop_string_is_never_streamed(client: openai.OpenAI, llm: LLM) -> None:
     prompt = "List the days of the week: Monday, Tuesday,"
     full = _reference(llm, prompt, temperature=0, max_tokens=12)
@@ -252,7 +291,14 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "a", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "a"}, 404, "model"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "n": 2}, 400, "n"),
-    ("/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "echo": True}, 400, "echo"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                              "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                              "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 1,
+                         "logprobs_mode": "raw_logits"}, 400, "logprobs_mode"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
                               "tools": [{"type": "function"}]}, 400, "tools"),
     ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
@@ -278,7 +324,7 @@ def test_bad_input_gets_openai_error(http: httpx.Client, route: str, body, statu
 
 def test_unknown_fields_are_ignored(http: httpx.Client) -> None:
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "user": "u1", "made_up": [1],
-            "metadata": {"a": "b"}, "n": 1, "logprobs": None}
+            "metadata": {"a": "b"}, "n": 1, "logprobs": None, "echo": False}
     resp = http.post("/v1/completions", json=body)
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] <= 2

@@ -20,6 +20,7 @@ from ngramspec.drafting.config import CorpusSnapshot
 from ngramspec.drafting.protocol import Drafter
 from ngramspec.drafting.tree import DraftTree
 from ngramspec.engine.kv_cache import SlotAllocator
+from ngramspec.engine.logprobs import TokenLogprob, step_logprobs
 from ngramspec.engine.model_runner import ForwardItem, ModelRunner
 from ngramspec.engine.scheduler import Schedule, ScheduledChunk, Scheduler
 from ngramspec.engine.sequence import Sequence
@@ -44,6 +45,7 @@ from ngramspec.sampling_params import SamplingParams
 class StepOutput:
     seq: Sequence
     new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # when the request asks
 
 
 class LLMEngine:
@@ -233,7 +235,7 @@ class LLMEngine:
                 outputs.append(StepOutput(seq))
                 continue
             self.scheduler.commit(chunk, [0] + result.accepted_nodes if tree.num_drafts else None)
-            outputs.append(self._append(seq, tree, result))
+            outputs.append(self._append(seq, tree, result, logits[first:row]))
         return outputs
 
     def _greedy_targets(self, chunks: list[ScheduledChunk],
@@ -250,11 +252,17 @@ class LLMEngine:
         prompt = seq.token_ids[: seq.num_prompt_tokens]
         return verify_sampled(tree, logits, seq.params, prompt, seq.output_ids, seq.generator)
 
-    def _append(self, seq: Sequence, tree: DraftTree, result: VerifyResult) -> StepOutput:
+    def _append(self, seq: Sequence, tree: DraftTree, result: VerifyResult,
+                logits: torch.Tensor) -> StepOutput:
         """Append the verified tokens up to the first stop, then observe and trim."""
+        # logits: [tree nodes, vocab], this sequence's rows of the step
         out = StepOutput(seq)
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
+        if seq.params.logprobs is not None:
+            out.new_logprobs = step_logprobs(logits, [0] + result.accepted_nodes, result.output_ids,
+                                             seq.params, seq.token_ids[: seq.num_prompt_tokens],
+                                             seq.output_ids)
         for token in result.output_ids:
             seq.token_ids.append(token)
             out.new_token_ids.append(token)
@@ -262,6 +270,8 @@ class LLMEngine:
             if reason is not None:
                 seq.finish_reason = reason
                 break
+        del out.new_logprobs[len(out.new_token_ids):]  # none for tokens after a stop
+        seq.logprobs.extend(out.new_logprobs)
         if self.speculator is not None:
             counters = self.speculator.observe(seq, tree, result, out.new_token_ids)
             if counters is not None:

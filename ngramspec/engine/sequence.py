@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ngramspec.engine.logprobs import TokenLogprob
 from ngramspec.sampling_params import SamplingParams
 
 
@@ -53,6 +54,7 @@ class Sequence:
     spec: SpecCounters = field(default_factory=SpecCounters)
     use_spec: bool = False
     stop_text_len: int | None = None  # output text is cut here when a stop string matched
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if asked
 
     @property
     def num_tokens(self) -> int:

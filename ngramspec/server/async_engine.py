@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ngramspec.engine.engine import LLMEngine, StepOutput
+from ngramspec.engine.logprobs import TokenLogprob
 from ngramspec.engine.sequence import Sequence
 from ngramspec.sampling_params import SamplingParams
 
@@ -46,6 +47,7 @@ class TokenEvent:
     stop_text_len: int | None = None  # output text is cut here (a stop string matched)
     spec: SpecStats | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when asked
 
     @property
     def finished(self) -> bool:
@@ -294,6 +296,6 @@ class AsyncEngine:
 def _event(out: StepOutput) -> TokenEvent:
     seq = out.seq
     if not seq.is_finished:
-        return TokenEvent(list(out.new_token_ids))
+        return TokenEvent(list(out.new_token_ids), logprobs=list(out.new_logprobs))
     return TokenEvent(list(out.new_token_ids), seq.finish_reason, seq.stop_text_len,
-                      SpecStats.of(seq))
+                      SpecStats.of(seq), logprobs=list(out.new_logprobs))

@@ -7,13 +7,14 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ngramspec.server.async_engine import EngineStopped, RequestStream, SpecStats, TokenEvent
+from ngramspec.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from ngramspec.server.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -44,6 +45,21 @@ class Generation:
     arrival: float
     last_token_time: float | None = None
     num_output_tokens: int = 0
+    num_top_logprobs: int | None = None  # None: the request asked for no logprobs
+    token_text: TokenText | None = None
+    logprobs: list = field(default_factory=list)  # TokenLogprob per output token so far
+    text_offset: int = 0  # characters of completion text already streamed (text_offset)
+
+    def logprobs_body(self, entries: list) -> dict[str, Any] | None:
+        if self.num_top_logprobs is None:
+            return None
+        assert self.token_text is not None
+        if self.kind == "chat":
+            return chat_logprobs(entries, self.token_text)
+        body = completion_logprobs(entries, self.token_text, self.num_top_logprobs,
+                                   self.text_offset)
+        self.text_offset += sum(len(t) for t in body["tokens"])
+        return body
 
 
 @router.post("/v1/completions")
@@ -123,9 +139,12 @@ async def _admit(state: ServerState, req: Any, kind: str, prompt_ids: list[int],
     except ValueError as e:  # the engine's own checks: prompt vs context, KV capacity
         raise bad_request(str(e), "messages" if kind == "chat" else "prompt") from e
     state.metrics.prompt_tokens.inc(len(prompt_ids))
-    return Generation(kind, request_id, state.model_name, int(time.time()), len(prompt_ids),
-                      stream, TextAssembler(state.tokenizer, params.stop), req.include_usage,
-                      arrival)
+    gen = Generation(kind, request_id, state.model_name, int(time.time()), len(prompt_ids),
+                     stream, TextAssembler(state.tokenizer, params.stop), req.include_usage,
+                     arrival)
+    if params.logprobs is not None:
+        gen.num_top_logprobs, gen.token_text = params.logprobs, TokenText(state.tokenizer)
+    return gen
 
 
 # ---- consuming events -----------------------------------------------------------------------
@@ -158,6 +177,7 @@ def _finish(state: ServerState, gen: Generation, event: TokenEvent) -> None:
 async def _collect(state: ServerState, gen: Generation) -> dict[str, Any]:
     async for event in gen.stream.events():
         _observe(state, gen, event)
+        gen.logprobs.extend(event.logprobs)
         if not event.finished:
             gen.text.extend(event.token_ids)
             continue
@@ -200,10 +220,10 @@ def speculation(spec: SpecStats | None) -> dict[str, Any]:
 def _full_body(gen: Generation, text: str, event: TokenEvent) -> dict[str, Any]:
     if gen.kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": event.finish_reason}
+                  "logprobs": gen.logprobs_body(gen.logprobs), "finish_reason": event.finish_reason}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None,
+        choice = {"index": 0, "text": text, "logprobs": gen.logprobs_body(gen.logprobs),
                   "finish_reason": event.finish_reason}
         obj = "text_completion"
     return {"id": gen.request_id, "object": obj, "created": gen.created, "model": gen.model,
@@ -211,15 +231,15 @@ def _full_body(gen: Generation, text: str, event: TokenEvent) -> dict[str, Any]:
 
 
 def _chunk(gen: Generation, text: str | None, finish_reason: str | None = None,
-           role: bool = False) -> dict[str, Any]:
+           role: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if gen.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None,
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs,
                   "finish_reason": finish_reason}
         obj = "text_completion"
     return {"id": gen.request_id, "object": obj, "created": gen.created, "model": gen.model,
@@ -238,8 +258,10 @@ async def _sse_events(state: ServerState, gen: Generation) -> AsyncIterator[byte
         _observe(state, gen, event)
         if not event.finished:
             delta = gen.text.push(event.token_ids)
-            if delta:
-                yield _sse(_chunk(gen, delta))
+            # a chunk per step that has text or logprobs (a token's text may come a step later)
+            logprobs = gen.logprobs_body(event.logprobs) if event.logprobs else None
+            if delta or logprobs is not None:
+                yield _sse(_chunk(gen, delta, logprobs=logprobs))
             continue
         _finish(state, gen, event)
         if event.error is not None:
@@ -247,7 +269,8 @@ async def _sse_events(state: ServerState, gen: Generation) -> AsyncIterator[byte
             yield _sse(error.body())
             break
         last = _chunk(gen, gen.text.finish(event.token_ids, event.stop_text_len),
-                      event.finish_reason)
+                      event.finish_reason,
+                      logprobs=gen.logprobs_body(event.logprobs) if event.logprobs else None)
         last["speculation"] = speculation(event.spec)
         yield _sse(last)
         if gen.include_usage:

@@ -2,7 +2,7 @@
 SamplingParams.
 
 Unknown fields are ignored, as OpenAI's API does for fields it does not know. Fields OpenAI
-defines but we cannot honour (n > 1, logprobs, tools, ...) get a 400 naming the field, so a client
+defines but we cannot honour (n > 1, echo, tools, ...) get a 400 naming the field, so a client
 never silently gets something other than what it asked for.
 """
 
@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ngramspec.sampling_params import SamplingParams
+from ngramspec.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
@@ -83,6 +83,7 @@ class _GenerationRequest(_Strict):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     ngram: NgramHints | None = None
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
 
     @property
     def include_usage(self) -> bool:
@@ -92,9 +93,19 @@ class _GenerationRequest(_Strict):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def requested_logprobs(self) -> int | None:
+        """None: no logprobs; k: the chosen token's and the k most likely alternatives."""
+        return None
+
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(_Strict):
@@ -118,6 +129,16 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+            return None
+        return self.top_logprobs or 0
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -161,8 +182,6 @@ def _nothing(value: Any) -> bool:
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "n": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v == 1),
     "best_of": lambda v: v is None or v == 1,
-    "logprobs": _nothing,
-    "top_logprobs": _nothing,
     "echo": _nothing,
     "suffix": _nothing,
     "logit_bias": _nothing,
@@ -252,7 +271,8 @@ def sampling_params(req: _GenerationRequest, num_prompt_tokens: int, max_model_l
             min_p=req.min_p, seed=req.seed, stop=stop, ignore_eos=req.ignore_eos,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty,
-            speculative=req.ngram is None or req.ngram.enabled)
+            speculative=req.ngram is None or req.ngram.enabled,
+            logprobs=req.requested_logprobs, logprobs_mode=req.logprobs_mode)
     except ValueError as e:
         raise bad_request(str(e).removeprefix("SamplingParams."), _param_of(str(e), param)) from e
 
