@@ -1,7 +1,7 @@
 """bench context: plain decode ms/token and the verify curve by context length, per weight mode.
 
-Decode: a batch-1 greedy run of 1 + `--tokens` new tokens minus a 1-token run of the same prompt
-(so prefill cancels out), best of `--repeats`. Verify curve: one forward of q query tokens over a
+Decode: `--tokens` batch-1 greedy decode steps after the prompt's prefill and first token, timed
+on their own, best of `--repeats`. Verify curve: one forward of q query tokens over a
 cached context of that length, relative to q = 1 (`engine/cost_model.time_forward`).
 """
 
@@ -25,18 +25,20 @@ def synthetic_prompt(length: int, vocab: int) -> list[int]:
 
 
 def decode_ms(llm: LLM, context: int, tokens: int, repeats: int) -> float:
+    """Plain decode steps after a `context`-token prefill, timed alone (as llama.cpp's side is),
+    best of `repeats` after a warm-up."""
     prompt = synthetic_prompt(context, llm.engine.model_cfg.vocab_size)
-    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    many = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
-    llm.generate(prompt, one)  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
+    params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
+    engine, best = llm.engine, float("inf")
+    for r in range(repeats + 1):
+        engine.add_request(f"bench-context-{context}-{r}", prompt, params)
+        while not any(out.new_token_ids for out in engine.step()):
+            pass  # prefill chunks, then the first token
         t = time.perf_counter()
-        llm.generate(prompt, many)
-        t_many = time.perf_counter() - t
-        t = time.perf_counter()
-        llm.generate(prompt, one)
-        best = min(best, (t_many - (time.perf_counter() - t)) / tokens)
+        while engine.has_unfinished():
+            engine.step()
+        if r:
+            best = min(best, (time.perf_counter() - t) / tokens)
     return 1000 * best
 
 

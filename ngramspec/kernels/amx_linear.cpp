@@ -194,6 +194,74 @@ void tiles_range(const uint16_t* xb, const float* xsum, int64_t M, int64_t K, co
   _tile_release();
 }
 
+// M <= R <= 8 rows (a decode, a draft tree): the same sums in the same order as tiles_range,
+// with the 2 x R accumulators in registers instead of memory (R is a constant).
+template <int64_t Q, int R>
+void tiles_small(const uint16_t* xb, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
+                 int64_t t0, int64_t t1, float* out, int64_t N) {
+  const int64_t nb = K / 32, tb = tile_bytes(Q);
+  constexpr int64_t scale_off = Q != kQ8_0 ? 256 : 512;
+  alignas(64) uint16_t bt[2][16 * 32];
+  alignas(64) float c[2][16 * 16];
+  configure_tiles(static_cast<int>(M));
+  for (int64_t t = t0; t < t1; t += 2) {
+    const bool pair = t + 1 < t1;
+    __m512 acc[2][R];
+    for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m512 d[2], m[2];
+      for (int64_t i = 0; i < 1 + pair; ++i) {
+        const uint8_t* p = w + ((t + i) * nb + b) * tb;
+        unpack_tile<Q>(p, bt[i]);
+        d[i] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + scale_off)));
+        m[i] = Q != kQ8_0 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + scale_off + 32)))
+                          : _mm512_setzero_ps();
+      }
+      _tile_loadd(3, bt[0], 64);
+      _tile_loadd(2, xb + b * 32, K * 2);
+      _tile_zero(0);
+      _tile_dpbf16ps(0, 2, 3);
+      _tile_stored(0, c[0], 64);
+      if (pair) {
+        _tile_loadd(4, bt[1], 64);
+        _tile_zero(1);
+        _tile_dpbf16ps(1, 2, 4);
+        _tile_stored(1, c[1], 64);
+      }
+      for (int r = 0; r < R; ++r) {
+        if (r < M) {
+          const __m512 xs = _mm512_set1_ps(xsum[r * nb + b]);
+          __m512 v = _mm512_fmadd_ps(_mm512_load_ps(c[0] + r * 16), d[0], acc[0][r]);
+          if constexpr (Q != kQ8_0) v = _mm512_fmadd_ps(xs, m[0], v);
+          acc[0][r] = v;
+          if (pair) {
+            v = _mm512_fmadd_ps(_mm512_load_ps(c[1] + r * 16), d[1], acc[1][r]);
+            if constexpr (Q != kQ8_0) v = _mm512_fmadd_ps(xs, m[1], v);
+            acc[1][r] = v;
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      if (r < M) {
+        _mm512_storeu_ps(out + r * N + t * 16, acc[0][r]);
+        if (pair) _mm512_storeu_ps(out + r * N + t * 16 + 16, acc[1][r]);
+      }
+    }
+  }
+  _tile_release();
+}
+
+template <int64_t Q>
+void run_tiles(const uint16_t* xb, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
+               int64_t t0, int64_t t1, float* out, int64_t N) {
+  if (M == 1) return tiles_small<Q, 1>(xb, xsum, M, K, w, t0, t1, out, N);
+  if (M <= 2) return tiles_small<Q, 2>(xb, xsum, M, K, w, t0, t1, out, N);
+  if (M <= 4) return tiles_small<Q, 4>(xb, xsum, M, K, w, t0, t1, out, N);
+  if (M <= 8) return tiles_small<Q, 8>(xb, xsum, M, K, w, t0, t1, out, N);
+  tiles_range<Q>(xb, xsum, M, K, w, t0, t1, out, N);
+}
+
 // x [M, K] float32 -> bf16 rows (round to nearest even) and each row's sum of its bf16 values
 // over every 32-input block (for the Q4_1 / Q4_0 mins), in one pass.
 void to_bf16_with_block_sums(const float* x, int64_t M, int64_t K, uint16_t* xb, float* xsum) {
@@ -241,9 +309,9 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
     const int64_t t0 = 2 * p0, t1 = std::min(tiles, 2 * p1);
     switch (qtype) {
-      case kQ4_0: tiles_range<kQ4_0>(xp, sp, M, K, wp, t0, t1, op, N); break;
-      case kQ4_1: tiles_range<kQ4_1>(xp, sp, M, K, wp, t0, t1, op, N); break;
-      default: tiles_range<kQ8_0>(xp, sp, M, K, wp, t0, t1, op, N); break;
+      case kQ4_0: run_tiles<kQ4_0>(xp, sp, M, K, wp, t0, t1, op, N); break;
+      case kQ4_1: run_tiles<kQ4_1>(xp, sp, M, K, wp, t0, t1, op, N); break;
+      default: run_tiles<kQ8_0>(xp, sp, M, K, wp, t0, t1, op, N); break;
     }
   });
   if (bias.has_value() && bias->defined()) out.add_(*bias);
