@@ -29,6 +29,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     extra: dict = field(default_factory=dict)
     logprobs: list[TokenLogprob] | None = None  # per output token, when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (params.prompt_logprobs)
 
     @property
     def finished(self) -> bool:
@@ -55,5 +56,7 @@ def build_output(seq: Sequence, tokenizer) -> RequestOutput:
             mean_acceptance_length=seq.spec.mean_acceptance_length,
         )
     logprobs = list(seq.logprobs) if seq.params.logprobs is not None else None
+    prompt = list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None
     return RequestOutput(seq.request_id, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids,
-                         output_text(seq, tokenizer), seq.finish_reason, metrics, logprobs=logprobs)
+                         output_text(seq, tokenizer), seq.finish_reason, metrics, logprobs=logprobs,
+                         prompt_logprobs=prompt)

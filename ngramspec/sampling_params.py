@@ -25,6 +25,7 @@ class SamplingParams:
     speculative: bool = True  # lets a request opt out of speculation
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's and the k most likely
     logprobs_mode: str = "raw_logprobs"  # or "processed_logprobs" (see engine/logprobs.py)
+    prompt_logprobs: int | None = None  # the same for prompt tokens 2.. (raw: nothing processed them)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +56,11 @@ class SamplingParams:
                                          and not isinstance(self.logprobs, bool)
                                          and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", self.logprobs, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                                and not isinstance(self.prompt_logprobs, bool)
+                                                and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               "prompt_logprobs", self.prompt_logprobs,
+               f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         _check(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", self.logprobs_mode,
                f"must be one of {LOGPROBS_MODES}")
 

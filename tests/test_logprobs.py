@@ -78,3 +78,19 @@ def test_no_logprobs_unless_asked(llm):
             SamplingParams(logprobs=bad)
     with pytest.raises(ValueError, match="logprobs_mode"):
         SamplingParams(logprobs_mode="raw_logits")
+
+
+def test_prompt_logprobs_equal_the_oracle_across_prefill_chunks(llm):
+    """Raw logprobs of prompt tokens 1.., chunked prefill (64-token chunks) or not."""
+    prompt = spec_prompts()[0][1][:150]
+    ref = torch.log_softmax(prefill_logits(llm.engine, prompt).float(), -1)  # [n, V]
+    chunked = LLM(num_threads=2, dtype="float32", max_num_batched_tokens=64)
+    for engine_llm in (llm, chunked):
+        out = engine_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2,
+                                                         prompt_logprobs=2, logprobs=0))[0]
+        entries = out.prompt_logprobs
+        assert [e.token_id for e in entries] == prompt[1:]
+        for i, e in enumerate(entries):
+            assert _close(e.logprob, float(ref[i, prompt[i + 1]]))
+            assert [t for t, _ in e.top] == torch.topk(ref[i], 2).indices.tolist()
+        assert len(out.logprobs) == len(out.token_ids)

@@ -213,6 +213,27 @@ def test_completion_logprobs_list_every_token(client: openai.OpenAI, llm: LLM) -
     assert offsets == lp.text_offset
 
 
+def test_completion_echo_returns_the_prompt_and_its_logprobs(client: openai.OpenAI,
+                                                             llm: LLM) -> None:
+    prompt = "The capital of France is"
+    n = len(llm.encode(prompt))
+    ref = llm.generate(prompt, SamplingParams(**GREEDY, logprobs=1, prompt_logprobs=1))[0]
+    kw = dict(model=MODEL, prompt=prompt, echo=True, logprobs=1, **GREEDY)
+    choice = client.completions.create(**kw).choices[0]
+    assert choice.text == prompt + ref.text
+    lp = choice.logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert len(lp.tokens) == n + len(ref.token_ids)
+    assert all(abs(a - e.logprob) <= 1e-4
+               for a, e in zip(lp.token_logprobs[1:], ref.prompt_logprobs + ref.logprobs))
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    streamed = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and len(streamed) == len(lp.token_logprobs)
+    plain = client.completions.create(model=MODEL, prompt=prompt, echo=True, **GREEDY).choices[0]
+    assert plain.text == choice.text and plain.logprobs is None
+
+
 def test_stop_string_is_never_streamed(client: openai.OpenAI, llm: LLM) -> None:
     prompt = "List the days of the week: Monday, Tuesday,"
     full = _reference(llm, prompt, temperature=0, max_tokens=12)
@@ -292,7 +313,6 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "gpt-4", "prompt": "a"}, 404, "model"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "n": 2}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 21}, 400, "logprobs"),
-    ("/v1/completions", {"model": MODEL, "prompt": "a", "echo": True}, 400, "echo"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
                               "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],

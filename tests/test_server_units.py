@@ -92,7 +92,7 @@ def _completion(**body) -> CompletionRequest:
     ({"temperature": 2.5}, "temperature"),
     ({"n": 3}, "n"),
     ({"best_of": 2}, "best_of"),
-    ({"echo": True}, "echo"),
+    ({"echo": "yes"}, "echo"),
     ({"logit_bias": {"1": 5}}, "logit_bias"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"seed": 2**64}, "seed"),

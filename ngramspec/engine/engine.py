@@ -20,7 +20,7 @@ from ngramspec.drafting.config import CorpusSnapshot
 from ngramspec.drafting.protocol import Drafter
 from ngramspec.drafting.tree import DraftTree
 from ngramspec.engine.kv_cache import SlotAllocator
-from ngramspec.engine.logprobs import TokenLogprob, step_logprobs
+from ngramspec.engine.logprobs import TokenLogprob, prompt_logprobs, step_logprobs
 from ngramspec.engine.model_runner import ForwardItem, ModelRunner
 from ngramspec.engine.scheduler import Schedule, ScheduledChunk, Scheduler
 from ngramspec.engine.sequence import Sequence
@@ -211,7 +211,8 @@ class LLMEngine:
             return ForwardItem(tree.token_ids, tree.positions(start), seq.slots, chunk.slots,
                                tree.ancestor_mask(), list(range(len(tree))))
         end = start + chunk.num_tokens
-        rows = [chunk.num_tokens - 1] if chunk.samples else []
+        # rows for prompt logprobs (each predicts the next prompt token), then the sampling row
+        rows = list(range(_prompt_rows(chunk))) + ([chunk.num_tokens - 1] if chunk.samples else [])
         return ForwardItem(seq.token_ids[start:end], list(range(start, end)), seq.slots,
                            chunk.slots, None, rows)
 
@@ -223,6 +224,9 @@ class LLMEngine:
         outputs, row = [], 0
         for chunk in schedule.chunks:
             seq = chunk.seq
+            if n := _prompt_rows(chunk):
+                self._record_prompt_logprobs(chunk, logits[row : row + n])
+                row += n
             if not chunk.samples:
                 self.scheduler.commit(chunk)
                 continue
@@ -237,6 +241,18 @@ class LLMEngine:
             self.scheduler.commit(chunk, [0] + result.accepted_nodes if tree.num_drafts else None)
             outputs.append(self._append(seq, tree, result, logits[first:row]))
         return outputs
+
+    @staticmethod
+    def _record_prompt_logprobs(chunk: ScheduledChunk, logits: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens after this chunk's positions (once: a recompute after
+        preemption finds them recorded)."""
+        seq, first = chunk.seq, chunk.start + 1  # the token row 0 predicts
+        done = 1 + len(seq.prompt_logprobs)  # prompt tokens already covered (token 0 has none)
+        next_ids = seq.token_ids[first : first + logits.shape[0]]
+        skip = max(0, done - first)
+        if skip < len(next_ids):
+            seq.prompt_logprobs.extend(prompt_logprobs(logits[skip:], next_ids[skip:],
+                                                       seq.params.prompt_logprobs or 0))
 
     def _greedy_targets(self, chunks: list[ScheduledChunk],
                         logits: torch.Tensor) -> list[int] | None:
@@ -288,3 +304,12 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.stop(seq)
         self._seqs.pop(seq.request_id, None)
+
+
+def _prompt_rows(chunk: ScheduledChunk) -> int:
+    """Rows of this chunk whose logits give prompt-token logprobs (0 unless the request asks):
+    every position before the prompt's last token."""
+    seq = chunk.seq
+    if seq.params.prompt_logprobs is None or chunk.start >= seq.num_prompt_tokens - 1:
+        return 0
+    return min(chunk.num_tokens, seq.num_prompt_tokens - 1 - chunk.start)

@@ -51,3 +51,14 @@ def step_logprobs(logits: torch.Tensor, path: list[int], tokens: list[int],
             top = tuple(zip(ids.tolist(), values.tolist()))
         out.append(TokenLogprob(token, float(lp[token]), top))
     return out
+
+
+def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], k: int) -> list[TokenLogprob]:
+    """Raw logprobs of prompt tokens: next_ids[i] under logits[i] (the row of the token before)."""
+    # logits: [n, V]
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    picked = lp.gather(1, torch.tensor(next_ids, dtype=torch.long, device=lp.device)[:, None])[:, 0]
+    tops = torch.topk(lp, min(k, lp.shape[1])) if k else None
+    return [TokenLogprob(t, float(picked[i]),
+                         tuple(zip(tops.indices[i].tolist(), tops.values[i].tolist())) if tops else ())
+            for i, t in enumerate(next_ids)]

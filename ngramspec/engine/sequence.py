@@ -55,6 +55,7 @@ class Sequence:
     use_spec: bool = False
     stop_text_len: int | None = None  # output text is cut here when a stop string matched
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if asked
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., if asked
 
     @property
     def num_tokens(self) -> int:

@@ -48,6 +48,7 @@ class TokenEvent:
     spec: SpecStats | None = None
     error: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the first event, when asked
 
     @property
     def finished(self) -> bool:
@@ -295,7 +296,10 @@ class AsyncEngine:
 
 def _event(out: StepOutput) -> TokenEvent:
     seq = out.seq
+    first = out.new_token_ids and seq.num_output_tokens == len(out.new_token_ids)
+    prompt = list(seq.prompt_logprobs) if first and seq.params.prompt_logprobs is not None else None
     if not seq.is_finished:
-        return TokenEvent(list(out.new_token_ids), logprobs=list(out.new_logprobs))
+        return TokenEvent(list(out.new_token_ids), logprobs=list(out.new_logprobs),
+                          prompt_logprobs=prompt)
     return TokenEvent(list(out.new_token_ids), seq.finish_reason, seq.stop_text_len,
-                      SpecStats.of(seq), logprobs=list(out.new_logprobs))
+                      SpecStats.of(seq), logprobs=list(out.new_logprobs), prompt_logprobs=prompt)

@@ -49,15 +49,21 @@ class Generation:
     token_text: TokenText | None = None
     logprobs: list = field(default_factory=list)  # TokenLogprob per output token so far
     text_offset: int = 0  # characters of completion text already streamed (text_offset)
+    echo: str | None = None  # completions' echo: the prompt's text, returned first
+    echo_first_id: int | None = None  # ... and its first token (listed without a logprob)
+    prompt_logprobs: list = field(default_factory=list)  # echo's prompt tokens 1..
 
-    def logprobs_body(self, entries: list) -> dict[str, Any] | None:
+    def logprobs_body(self, entries: list, prompt: list | None = None) -> dict[str, Any] | None:
+        """`prompt`: echo's prompt-token entries, listed before `entries` (the first response
+        chunk or body)."""
         if self.num_top_logprobs is None:
             return None
         assert self.token_text is not None
         if self.kind == "chat":
             return chat_logprobs(entries, self.token_text)
-        body = completion_logprobs(entries, self.token_text, self.num_top_logprobs,
-                                   self.text_offset)
+        first = self.echo_first_id if prompt is not None else None
+        body = completion_logprobs((prompt or []) + entries, self.token_text,
+                                   self.num_top_logprobs, self.text_offset, first)
         self.text_offset += sum(len(t) for t in body["tokens"])
         return body
 
@@ -114,6 +120,11 @@ async def _respond(request: Request, state: ServerState, req: Any, prompt_ids: l
         encoded = [await state.encoder.encode(r) for r in req.ngram.references]
         references = [ids for ids in encoded if ids] or None
     gen = await _admit(state, req, kind, prompt_ids, params, references, arrival)
+    if getattr(req, "echo", False):
+        prompt = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and \
+            isinstance(req.prompt[0], (str, list)) else req.prompt
+        gen.echo = prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt_ids)
+        gen.echo_first_id = prompt_ids[0]
     if req.stream:
         return EventStreamResponse(_sse_events(state, gen), on_close=gen.stream.close)
     try:
@@ -178,13 +189,16 @@ async def _collect(state: ServerState, gen: Generation) -> dict[str, Any]:
     async for event in gen.stream.events():
         _observe(state, gen, event)
         gen.logprobs.extend(event.logprobs)
+        if event.prompt_logprobs is not None:
+            gen.prompt_logprobs = event.prompt_logprobs
         if not event.finished:
             gen.text.extend(event.token_ids)
             continue
         _finish(state, gen, event)
         if event.error is not None:
             raise ApiError(503, event.error, type="server_error", code="aborted")
-        return _full_body(gen, gen.text.finish(event.token_ids, event.stop_text_len), event)
+        return _full_body(gen, (gen.echo or "") + gen.text.finish(event.token_ids,
+                                                                  event.stop_text_len), event)
     raise AssertionError("the event stream ended without a final event")
 
 
@@ -223,7 +237,8 @@ def _full_body(gen: Generation, text: str, event: TokenEvent) -> dict[str, Any]:
                   "logprobs": gen.logprobs_body(gen.logprobs), "finish_reason": event.finish_reason}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": gen.logprobs_body(gen.logprobs),
+        prompt = gen.prompt_logprobs if gen.echo is not None else None
+        choice = {"index": 0, "text": text, "logprobs": gen.logprobs_body(gen.logprobs, prompt),
                   "finish_reason": event.finish_reason}
         obj = "text_completion"
     return {"id": gen.request_id, "object": obj, "created": gen.created, "model": gen.model,
@@ -254,12 +269,15 @@ def _sse(data: dict[str, Any] | str) -> bytes:
 async def _sse_events(state: ServerState, gen: Generation) -> AsyncIterator[bytes]:
     if gen.kind == "chat":
         yield _sse(_chunk(gen, "", role=True))
+    if gen.echo:
+        yield _sse(_chunk(gen, gen.echo))
     async for event in gen.stream.events():
         _observe(state, gen, event)
+        prompt = event.prompt_logprobs if gen.echo is not None else None
         if not event.finished:
             delta = gen.text.push(event.token_ids)
             # a chunk per step that has text or logprobs (a token's text may come a step later)
-            logprobs = gen.logprobs_body(event.logprobs) if event.logprobs else None
+            logprobs = gen.logprobs_body(event.logprobs, prompt) if event.logprobs else None
             if delta or logprobs is not None:
                 yield _sse(_chunk(gen, delta, logprobs=logprobs))
             continue
@@ -270,7 +288,7 @@ async def _sse_events(state: ServerState, gen: Generation) -> AsyncIterator[byte
             break
         last = _chunk(gen, gen.text.finish(event.token_ids, event.stop_text_len),
                       event.finish_reason,
-                      logprobs=gen.logprobs_body(event.logprobs) if event.logprobs else None)
+                      logprobs=gen.logprobs_body(event.logprobs, prompt) if event.logprobs else None)
         last["speculation"] = speculation(event.spec)
         yield _sse(last)
         if gen.include_usage:

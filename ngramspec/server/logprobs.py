@@ -40,13 +40,22 @@ def chat_logprobs(entries: list[TokenLogprob], text: TokenText) -> dict[str, Any
 
 
 def completion_logprobs(entries: list[TokenLogprob], text: TokenText, num_top: int,
-                        offset: int = 0) -> dict[str, Any]:
-    """`offset`: characters of output text before these tokens (a stream's earlier chunks)."""
-    tokens, offsets = [], []
+                        offset: int = 0, first_prompt_id: int | None = None) -> dict[str, Any]:
+    """`offset`: characters of text before these tokens (a stream's earlier chunks);
+    `first_prompt_id`: echo's first prompt token, listed first with no logprob (nothing precedes
+    it)."""
+    tokens, offsets, logprobs, tops = [], [], [], []
+    if first_prompt_id is not None:
+        offsets.append(offset)
+        tokens.append(text(first_prompt_id))
+        offset += len(tokens[-1])
+        logprobs.append(None)
+        tops.append(None)
     for e in entries:
         offsets.append(offset)
         tokens.append(text(e.token_id))
         offset += len(tokens[-1])
-    top = [{text(t): _finite(lp) for t, lp in e.top} for e in entries] if num_top else None
-    return {"tokens": tokens, "token_logprobs": [_finite(e.logprob) for e in entries],
-            "top_logprobs": top, "text_offset": offsets}
+        logprobs.append(_finite(e.logprob))
+        tops.append({text(t): _finite(lp) for t, lp in e.top})
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops if num_top else None,
+            "text_offset": offsets}

@@ -2,7 +2,7 @@
 SamplingParams.
 
 Unknown fields are ignored, as OpenAI's API does for fields it does not know. Fields OpenAI
-defines but we cannot honour (n > 1, echo, tools, ...) get a 400 naming the field, so a client
+defines but we cannot honour (n > 1, tools, ...) get a 400 naming the field, so a client
 never silently gets something other than what it asked for.
 """
 
@@ -102,6 +102,11 @@ class _GenerationRequest(_Strict):
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # the prompt is returned before the completion (with its logprobs)
+
+    @property
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     @property
     def requested_logprobs(self) -> int | None:
@@ -182,7 +187,6 @@ def _nothing(value: Any) -> bool:
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "n": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v == 1),
     "best_of": lambda v: v is None or v == 1,
-    "echo": _nothing,
     "suffix": _nothing,
     "logit_bias": _nothing,
     "tools": _nothing,
@@ -272,7 +276,8 @@ def sampling_params(req: _GenerationRequest, num_prompt_tokens: int, max_model_l
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty,
             speculative=req.ngram is None or req.ngram.enabled,
-            logprobs=req.requested_logprobs, logprobs_mode=req.logprobs_mode)
+            logprobs=req.requested_logprobs, logprobs_mode=req.logprobs_mode,
+            prompt_logprobs=getattr(req, "requested_prompt_logprobs", None))
     except ValueError as e:
         raise bad_request(str(e).removeprefix("SamplingParams."), _param_of(str(e), param)) from e
 
