@@ -42,23 +42,14 @@ torch::Tensor amx_pack_bf16(const torch::Tensor& w) {
 
 namespace {
 
-// tiles 0, 1: C (rows x 16 fp32) for two output tiles; 2: A (rows x 32 bf16); 3, 4: B.
-inline void configure_dense_tiles(int rows) {
-  ngramspec::TileConfig cfg;
-  for (int i = 0; i < 5; ++i) {
-    cfg.rows[i] = i < 3 ? static_cast<uint8_t>(rows) : 16;
-    cfg.colsb[i] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
-
 // Output tiles [t0, t1) for all rows of xb ([m_chunks * 16, K] bf16, zero-padded rows): two
 // tiles share each activation tile; each C tile accumulates its whole input in block order.
 void dense_range(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* w, int64_t t0,
                  int64_t t1, float* out, int64_t N) {
   const int64_t nb = K / 32, m_chunks = (M + 15) / 16;
   alignas(64) float c[2][16 * 16];
-  configure_dense_tiles(static_cast<int>(std::min<int64_t>(M, 16)));
+  // tiles 0, 1: C (rows x 16 fp32) for two output tiles; 2: A (rows x 32 bf16); 3, 4: B
+  ngramspec::configure_tiles(5, 3, static_cast<int>(std::min<int64_t>(M, 16)));
   for (int64_t t = t0; t < t1; t += 2) {
     const bool pair = t + 1 < t1;
     const uint16_t* w0 = w + t * nb * 512;

@@ -20,6 +20,7 @@
 #include <c10/util/Half.h>
 
 #include "gguf_blocks.h"
+#include "vec_math.h"
 
 #include <cstdint>
 #include <cstring>
@@ -100,14 +101,7 @@ namespace {
 
 // tiles 0, 1: C (rows x 16 fp32); 2: A (rows x 32 bf16); 3, 4: B (16 pair-rows x 16 outputs).
 // rows = M for one chunk of M <= 16 rows (a decode stores one C row, not sixteen), else 16.
-inline void configure_tiles(int rows) {
-  ngramspec::TileConfig cfg;
-  for (int i = 0; i < 5; ++i) {
-    cfg.rows[i] = i < 3 ? static_cast<uint8_t>(rows) : 16;
-    cfg.colsb[i] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+inline void configure_tiles(int rows) { ngramspec::configure_tiles(5, 3, rows); }
 
 // bf16 bit patterns of 0..15 (exact), for vpermw
 alignas(64) const uint16_t kNibbleBf16[32] = {
@@ -140,13 +134,22 @@ inline void unpack_tile(const uint8_t* p, uint16_t* out) {
   }
 }
 
+// One (tile, block): its integer weights into B-tile order, its scales d and mins m (0 for Q8_0).
+template <int64_t Q>
+inline void load_block(const uint8_t* p, uint16_t* bt, __m512& d, __m512& m) {
+  constexpr int64_t scale_off = Q != kQ8_0 ? 256 : 512;
+  unpack_tile<Q>(p, bt);
+  d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + scale_off)));
+  m = Q != kQ8_0 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + scale_off + 32)))
+                 : _mm512_setzero_ps();
+}
+
 // Outputs of tiles [t0, t1) for all M rows. Per block: C = A . Q on the tiles (exact integer
 // weights), then acc += d * C + m * sum(x over the block), in block order.
 template <int64_t Q>
 void tiles_range(const uint16_t* xb, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
                  int64_t t0, int64_t t1, float* out, int64_t N) {
   const int64_t nb = K / 32, tb = tile_bytes(Q), m_chunks = (M + 15) / 16;
-  constexpr int64_t scale_off = Q != kQ8_0 ? 256 : 512;
   alignas(64) uint16_t bt[2][16 * 32];
   alignas(64) float c[2][16 * 16];
   std::vector<float> acc(static_cast<size_t>(M * 32));
@@ -156,13 +159,7 @@ void tiles_range(const uint16_t* xb, const float* xsum, int64_t M, int64_t K, co
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t b = 0; b < nb; ++b) {
       __m512 d[2], m[2];
-      for (int64_t i = 0; i < pair; ++i) {
-        const uint8_t* p = w + ((t + i) * nb + b) * tb;
-        unpack_tile<Q>(p, bt[i]);
-        d[i] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + scale_off)));
-        m[i] = Q != kQ8_0 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + scale_off + 32)))
-                          : _mm512_setzero_ps();
-      }
+      for (int64_t i = 0; i < pair; ++i) load_block<Q>(w + ((t + i) * nb + b) * tb, bt[i], d[i], m[i]);
       _tile_loadd(3, bt[0], 64);
       if (pair == 2) _tile_loadd(4, bt[1], 64);
       for (int64_t mc = 0; mc < m_chunks; ++mc) {
@@ -200,7 +197,6 @@ template <int64_t Q, int R>
 void tiles_small(const uint16_t* xb, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
                  int64_t t0, int64_t t1, float* out, int64_t N) {
   const int64_t nb = K / 32, tb = tile_bytes(Q);
-  constexpr int64_t scale_off = Q != kQ8_0 ? 256 : 512;
   alignas(64) uint16_t bt[2][16 * 32];
   alignas(64) float c[2][16 * 16];
   configure_tiles(static_cast<int>(M));
@@ -210,13 +206,7 @@ void tiles_small(const uint16_t* xb, const float* xsum, int64_t M, int64_t K, co
     for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       __m512 d[2], m[2];
-      for (int64_t i = 0; i < 1 + pair; ++i) {
-        const uint8_t* p = w + ((t + i) * nb + b) * tb;
-        unpack_tile<Q>(p, bt[i]);
-        d[i] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + scale_off)));
-        m[i] = Q != kQ8_0 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + scale_off + 32)))
-                          : _mm512_setzero_ps();
-      }
+      for (int64_t i = 0; i < 1 + pair; ++i) load_block<Q>(w + ((t + i) * nb + b) * tb, bt[i], d[i], m[i]);
       _tile_loadd(3, bt[0], 64);
       _tile_loadd(2, xb + b * 32, K * 2);
       _tile_zero(0);
@@ -273,10 +263,8 @@ void to_bf16_with_block_sums(const float* x, int64_t M, int64_t K, uint16_t* xb,
       const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + 16));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb + m * K + b * 32), lo);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb + m * K + b * 32 + 16), hi);
-      auto widen = [](__m256i h) {
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-      };
-      xsum[m * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(widen(lo), widen(hi)));
+      xsum[m * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(ngramspec::widen_bf16(lo),
+                                                            ngramspec::widen_bf16(hi)));
     }
 }
 

@@ -19,6 +19,17 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
+// Tiles [0, count) of 64-byte rows: the first `short_tiles` with `rows` rows (A and C tiles of a
+// chunk of rows <= 16), the rest with 16 (B tiles).
+inline void configure_tiles(int count, int short_tiles, int rows) {
+  TileConfig cfg;
+  for (int i = 0; i < count; ++i) {
+    cfg.rows[i] = static_cast<uint8_t>(i < short_tiles ? rows : 16);
+    cfg.colsb[i] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
 // Whether this CPU has AMX bf16 tiles and Linux lets this process use them. Linux hands out the
 // tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); asked once.
 inline bool amx_permitted() {

@@ -175,30 +175,28 @@ void chunk_partial(const Cache<T>& c, int64_t g, const float* const* qs, int nq,
 
 #if defined(NGRAMSPEC_AMX)
 
-inline __m512 widen_bf16(__m256i h) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 // x (32 floats as two halves) -> bf16 hi + lo with hi + lo = x to ~16 mantissa bits, so bf16
 // tile products keep the fp32 path's accuracy. Each is 32 bf16 in order.
 inline void split_bf16(__m512 x0, __m512 x1, __m512i& hi, __m512i& lo) {
   hi = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
-  const __m512 h0 = widen_bf16(_mm512_castsi512_si256(hi));
-  const __m512 h1 = widen_bf16(_mm512_extracti64x4_epi64(hi, 1));
+  const __m512 h0 = ngramspec::widen_bf16(_mm512_castsi512_si256(hi));
+  const __m512 h1 = ngramspec::widen_bf16(_mm512_extracti64x4_epi64(hi, 1));
   lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(x1, h1), _mm512_sub_ps(x0, h0));
 }
 
 // All eight tiles 16 rows x 64 bytes. Scores: tmm0-3 query B tiles (two halves x hi, lo), tmm4
 // key A tile, tmm6/7 score C tiles (one per half). Values: tmm0-3 output C tiles, tmm4/5
 // probability A tiles (hi, lo), tmm6/7 value B tiles.
-inline void configure_attention_tiles() {
-  ngramspec::TileConfig cfg;
-  for (int i = 0; i < 8; ++i) {
-    cfg.rows[i] = 16;
-    cfg.colsb[i] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+// C tile `C` += (hi + lo probabilities in tmm4, tmm5) . the value B tile loaded into `B`. A macro:
+// GCC's tile intrinsics need literal tile numbers (templates do not do).
+#define NGRAMSPEC_PV_TILE(C, B, values) \
+  do {                                  \
+    _tile_loadd(B, values, 64);         \
+    _tile_dpbf16ps(C, 4, B);            \
+    _tile_dpbf16ps(C, 5, B);            \
+  } while (0)
+
+inline void configure_attention_tiles() { ngramspec::configure_tiles(8, 0, 16); }
 
 // The same partial as chunk_partial, on AMX tiles, for a bf16 cache and D % 32 == 0: scores
 // S^T [16 keys x 16 queries] = K [16 keys x 32 dims] . Q^T per tile product, the softmax runs
@@ -351,25 +349,11 @@ void chunk_partial_amx(const Cache<c10::BFloat16>& c, int64_t g, const float* co
       for (int64_t kb = 0; kb < blocks32; ++kb) {
         _tile_loadd(4, pb[kb][h][0], 64);
         _tile_loadd(5, pb[kb][h][1], 64);
-        // tile numbers are immediates: one branch per output tile
-        _tile_loadd(6, vb[kb][0], 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(0, 5, 6);
-        if (nt > 1) {
-          _tile_loadd(7, vb[kb][1], 64);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(1, 5, 7);
-        }
-        if (nt > 2) {
-          _tile_loadd(6, vb[kb][2], 64);
-          _tile_dpbf16ps(2, 4, 6);
-          _tile_dpbf16ps(2, 5, 6);
-        }
-        if (nt > 3) {
-          _tile_loadd(7, vb[kb][3], 64);
-          _tile_dpbf16ps(3, 4, 7);
-          _tile_dpbf16ps(3, 5, 7);
-        }
+        // one output tile each, the value B tile in tmm6 / tmm7 in turn
+        NGRAMSPEC_PV_TILE(0, 6, vb[kb][0]);
+        if (nt > 1) NGRAMSPEC_PV_TILE(1, 7, vb[kb][1]);
+        if (nt > 2) NGRAMSPEC_PV_TILE(2, 6, vb[kb][2]);
+        if (nt > 3) NGRAMSPEC_PV_TILE(3, 7, vb[kb][3]);
       }
       const int rows = std::min(16, nq - 16 * h);
       for (int t = 0; t < nt; ++t) {
