@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ngramspec.structured.params import StructuredOutputsParams
+
 MAX_LOGPROBS = 20  # top alternatives a token may report (OpenAI's top_logprobs bound)
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
@@ -26,6 +28,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's and the k most likely
     logprobs_mode: str = "raw_logprobs"  # or "processed_logprobs" (see engine/logprobs.py)
     prompt_logprobs: int | None = None  # the same for prompt tokens 2.. (raw: nothing processed them)
+    # the output must match a JSON schema, regex, choice or grammar (vLLM's name and fields)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,6 +67,10 @@ class SamplingParams:
                f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         _check(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", self.logprobs_mode,
                f"must be one of {LOGPROBS_MODES}")
+        _check(self.structured_outputs is None
+               or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", self.structured_outputs,
+               "must be a StructuredOutputsParams or None")
 
     @property
     def greedy(self) -> bool:

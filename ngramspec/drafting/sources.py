@@ -9,3 +9,5 @@ CORPUS = 2  # an external corpus (suffix automaton)
 
 SOURCE_NAMES = {CONTEXT: "context", TRIE: "trie", CORPUS: "corpus"}
 NUM_SOURCES = len(SOURCE_NAMES)
+# Tokens a request's grammar forces, added by the engine (no drafter index proposes them).
+GRAMMAR = 3

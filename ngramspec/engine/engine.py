@@ -39,6 +39,8 @@ from ngramspec.models.loader import (
     resolve_model_dir,
 )
 from ngramspec.sampling_params import SamplingParams
+from ngramspec.structured.grammar import GrammarCompiler
+from ngramspec.structured.matcher import GrammarViolation, RequestGrammar, apply_bitmask
 
 
 @dataclass(slots=True)
@@ -74,6 +76,8 @@ class LLMEngine:
         # so it must end with "length" before it gets there.
         self.max_model_len = min(self.max_model_len, self.allocator.num_usable)
         self.eos_token_ids = self._eos_ids()
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_cfg.vocab_size,
+                                        self.eos_token_ids)
         self.stats = EngineStats()
         self.speculator = self._make_speculator(config, corpora, drafter)
         self._ids = itertools.count()
@@ -131,6 +135,9 @@ class LLMEngine:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         seq = Sequence(next(self._ids), request_id, list(prompt_ids), len(prompt_ids), params,
                        self.eos_token_ids, generator=generator)
+        if params.structured_outputs is not None:  # GrammarError (a ValueError) names the problem
+            seq.grammar = RequestGrammar(self.grammars.matcher(params.structured_outputs),
+                                         self.model_cfg.vocab_size, self.eos_token_ids)
         seq.use_spec = self.speculator is not None and params.speculative
         if self.speculator is not None:
             self.speculator.start(seq, references)
@@ -219,8 +226,16 @@ class LLMEngine:
     def _postprocess(self, schedule: Schedule, trees: dict[int, DraftTree],
                      logits: torch.Tensor) -> list[StepOutput]:
         """Verify, commit and observe every chunk that yields a token; commit the others."""
-        sampling = [c for c in schedule.chunks if c.samples]
-        greedy_targets = self._greedy_targets(sampling, logits)
+        # logits: [rows, vocab]; each chunk's prompt-logprob rows, then its tree's rows
+        spans, row = {}, 0
+        for chunk in schedule.chunks:
+            row += _prompt_rows(chunk)
+            if chunk.samples:
+                tree = trees.get(chunk.seq.seq_id) or DraftTree.root_only(chunk.seq.token_ids[-1])
+                spans[chunk.seq.seq_id] = (row, tree)
+                row += len(tree)
+        failed = self._apply_grammars(schedule, spans, logits)
+        greedy_targets = self._greedy_targets([c for c in schedule.chunks if c.samples], logits)
         outputs, row = [], 0
         for chunk in schedule.chunks:
             seq = chunk.seq
@@ -230,17 +245,39 @@ class LLMEngine:
             if not chunk.samples:
                 self.scheduler.commit(chunk)
                 continue
-            tree = trees.get(seq.seq_id) or DraftTree.root_only(seq.token_ids[-1])
-            first, row = row, row + len(tree)
+            first, tree = spans[seq.seq_id]
+            row = first + len(tree)
             try:
+                if seq.seq_id in failed:
+                    raise failed[seq.seq_id]
                 result = self._verify(seq, tree, logits[first:row], greedy_targets, first)
-            except RuntimeError:  # e.g. non-finite logits: end this request, not the engine
+            except (RuntimeError, GrammarViolation):
+                # e.g. non-finite logits or a failed grammar: end this request, not the engine
                 self._fail_chunk(chunk)
                 outputs.append(StepOutput(seq))
                 continue
             self.scheduler.commit(chunk, [0] + result.accepted_nodes if tree.num_drafts else None)
             outputs.append(self._append(seq, tree, result, logits[first:row]))
         return outputs
+
+    def _apply_grammars(self, schedule: Schedule, spans: dict[int, tuple[int, DraftTree]],
+                        logits: torch.Tensor) -> dict[int, Exception]:
+        """Mask every grammar-constrained row in place (the allowed tokens after that row's
+        node); returns the sequences whose grammar failed."""
+        failed: dict[int, Exception] = {}
+        for chunk in schedule.chunks:
+            seq = chunk.seq
+            if seq.grammar is None or seq.seq_id not in spans:
+                continue
+            first, tree = spans[seq.seq_id]
+            try:
+                masks = seq.grammar.bitmasks(tree).to(logits.device, non_blocking=True)
+            except GrammarViolation as e:
+                failed[seq.seq_id] = e
+                continue
+            with torch.inference_mode():  # logits come from the runner's inference mode
+                apply_bitmask(logits[first : first + len(tree)], masks, self.eos_token_ids)
+        return failed
 
     @staticmethod
     def _record_prompt_logprobs(chunk: ScheduledChunk, logits: torch.Tensor) -> None:
@@ -283,6 +320,8 @@ class LLMEngine:
             seq.token_ids.append(token)
             out.new_token_ids.append(token)
             reason = check_stop(seq, self.tokenizer, self.max_model_len)
+            if seq.grammar is not None and reason != "stop":
+                reason = self._advance_grammar(seq, token) or reason
             if reason is not None:
                 seq.finish_reason = reason
                 break
@@ -297,6 +336,15 @@ class LLMEngine:
         if seq.finish_reason is not None:
             self._finish(seq)
         return out
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token: int) -> str | None:
+        """"stop" once the grammar is complete (plain decoding stops there too)."""
+        assert seq.grammar is not None
+        try:
+            return seq.grammar.advance(token)
+        except GrammarViolation:
+            return "error"
 
     def _finish(self, seq: Sequence) -> None:
         seq.finish_time = time.perf_counter()

@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ngramspec.engine.logprobs import TokenLogprob
 from ngramspec.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ngramspec.structured.matcher import RequestGrammar
 
 
 class Status(enum.Enum):
@@ -56,6 +60,7 @@ class Sequence:
     stop_text_len: int | None = None  # output text is cut here when a stop string matched
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if asked
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., if asked
+    grammar: RequestGrammar | None = None  # params.structured_outputs' matcher, at the last token
 
     @property
     def num_tokens(self) -> int:

@@ -48,6 +48,9 @@ class Speculator:
         if budget <= 0:
             return {}
         trees = self.drafter.propose([c.seq.request_id for c in chunks], [budget] * len(chunks))
+        # Under a grammar: forced tokens first, forbidden nodes out, before anything is sized.
+        trees = [c.seq.grammar.constrain(tree) if c.seq.grammar is not None else tree
+                 for c, tree in zip(chunks, trees)]
         trees = [tree.prefix(budget) if tree.num_drafts > budget else tree for tree in trees]
         if self.cost is not None:
             trees = self._size(chunks, trees, schedule, self.cost)
