@@ -10,8 +10,10 @@ if TYPE_CHECKING:
     from ngramspec.llm import LLM
     from ngramspec.outputs import RequestOutput
     from ngramspec.sampling_params import SamplingParams
+    from ngramspec.structured.params import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "DrafterConfig", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "DrafterConfig", "RequestOutput",
+           "StructuredOutputsParams"]
 
 _HOMES = {
     "LLM": "ngramspec.llm",
@@ -19,6 +21,7 @@ _HOMES = {
     "EngineConfig": "ngramspec.config",
     "DrafterConfig": "ngramspec.drafting.config",
     "RequestOutput": "ngramspec.outputs",
+    "StructuredOutputsParams": "ngramspec.structured.params",
 }
 
 

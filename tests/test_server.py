@@ -288,6 +288,22 @@ def test_references_feed_the_drafter(http: httpx.Client, llm: LLM) -> None:
 # ---- bad input -------------------------------------------------------------------------------
 
 LONG_PROMPT = "word " * (MAX_MODEL_LEN + 20)
+PERSON = {"type": "object", "additionalProperties": False,
+          "properties": {"name": {"type": "string", "maxLength": 30},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"]}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False,
+                   "properties": {"city": {"type": "string", "maxLength": 40},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers",
+    "parameters": {"type": "object", "additionalProperties": False,
+                   "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+
 BAD_REQUESTS = [
     # (route, raw body or JSON, status, param the error names)
     ("/v1/completions", b"{not json", 400, None),
@@ -320,7 +336,33 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 1,
                          "logprobs_mode": "raw_logits"}, 400, "logprobs_mode"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
-                              "tools": [{"type": "function"}]}, 400, "tools"),
+                              "tools": [{"type": "function"}]}, 400, "tools.0.function"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                              "tools": [WEATHER], "tool_choice": {
+                                  "type": "function", "function": {"name": "nope"}}}, 400,
+     "tool_choice"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                              "tool_choice": "required"}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                              "response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "x", "schema": {"type": "objectx"}}}}, 400,
+     "response_format"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                              "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "guided_regex": "[a-"}, 400,
+     "guided_regex"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "guided_grammar": "root ::= (("}, 400,
+     "guided_grammar"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "guided_choice": []}, 400,
+     "guided_choice"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "guided_json": "{not json"}, 400,
+     "guided_json"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "guided_regex": "a",
+                         "structured_outputs": {"choice": ["a"]}}, 400, "guided_regex"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "structured_outputs": {"regexp": "a"}},
+     400, "structured_outputs.regexp"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "guided_json": {
+        "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}, 400, "guided_json"),
     ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "ngram": {"refrence": "x"}}, 400,
@@ -463,6 +505,142 @@ def test_learned_corpus_save_flush_restore(http: httpx.Client, client: openai.Op
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_state_file"
 
 
+# ---- structured outputs and tool calls -----------------------------------------------------------
+
+EXTRACT = [{"role": "user", "content": "Marie Curie was 66 years old. Reply with JSON giving "
+                                       "her name and age."}]
+
+
+def _chat_variants(client: openai.OpenAI, **kw) -> list[tuple[str | None, list, str]]:
+    """(content, [(name, arguments)], finish_reason) for speculation on/off x streamed or not."""
+    out, extra = [], kw.pop("extra_body", {})
+    for spec in (True, False):
+        args = dict(model=MODEL, extra_body={**extra, "ngram": {"enabled": spec}}, **kw)
+        resp = client.chat.completions.create(**args)
+        msg = resp.choices[0].message
+        calls = [(c.function.name, c.function.arguments) for c in msg.tool_calls or []]
+        out.append((msg.content, calls, resp.choices[0].finish_reason))
+        content, calls, reason = "", {}, None
+        for chunk in client.chat.completions.create(stream=True, **args):
+            if not chunk.choices:
+                continue
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            for c in delta.tool_calls or []:  # accumulate as the openai client's helpers do
+                name, arguments = calls.get(c.index, ("", ""))
+                calls[c.index] = (name + (c.function.name or ""),
+                                  arguments + (c.function.arguments or ""))
+            reason = chunk.choices[0].finish_reason or reason
+        out.append((content.strip() or None, [calls[i] for i in sorted(calls)], reason))
+    return out
+
+
+def test_structured_outputs_equal_plain_decoding(client: openai.OpenAI, llm: LLM) -> None:
+    """response_format json_schema / json_object and vLLM's choice, regex and grammar: the server
+    (speculating, or not) equals offline plain constrained decoding, streamed or not."""
+    from ngramspec.structured.params import StructuredOutputsParams as S
+
+    cases = [
+        ({"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "person", "schema": PERSON}}}, S(json=PERSON)),
+        ({"response_format": {"type": "json_object"}}, S(json_object=True)),
+        ({"extra_body": {"structured_outputs": {"choice": ["yes", "no"]}}}, S(choice=("yes", "no"))),
+        ({"extra_body": {"guided_regex": "[0-9]{2} years"}}, S(regex="[0-9]{2} years")),
+        ({"extra_body": {"guided_grammar": 'root ::= "Age: " [0-9]+ "."'}},
+         S(grammar='root ::= "Age: " [0-9]+ "."')),
+    ]
+    import jsonschema
+
+    for kw, spec in cases:
+        ref = llm.chat(EXTRACT, SamplingParams(temperature=0, max_tokens=40,
+                                               structured_outputs=spec))[0]
+        assert ref.finish_reason == "stop", (spec, ref.text)
+        variants = _chat_variants(client, messages=EXTRACT, temperature=0, max_tokens=40, **kw)
+        assert variants == [(ref.text, [], "stop")] * 4, spec
+        if spec.json is not None:
+            jsonschema.validate(json.loads(ref.text), PERSON)
+
+
+def test_completions_take_structured_outputs(client: openai.OpenAI, llm: LLM) -> None:
+    from ngramspec.structured.params import StructuredOutputsParams as S
+
+    prompt = "The phone number of the office is"
+    ref = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20,
+                                              structured_outputs=S(regex=r" \d{3}-\d{4}")))[0]
+    resp = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=20,
+                                     extra_body={"guided_regex": r" \d{3}-\d{4}"})
+    assert resp.choices[0].text == ref.text and resp.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("tool_choice, reason", [
+    ({"type": "function", "function": {"name": "get_weather"}}, "stop"),
+    ("required", "tool_calls"),
+])
+def test_constrained_tool_calls_are_valid_and_equal_plain(client: openai.OpenAI, tool_choice,
+                                                          reason) -> None:
+    import jsonschema
+
+    messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    variants = _chat_variants(client, messages=messages, tools=[WEATHER, ADD],
+                              tool_choice=tool_choice, parallel_tool_calls=False,
+                              temperature=0, max_tokens=80)
+    assert all(v == variants[0] for v in variants), variants
+    content, calls, finish = variants[0]
+    assert finish == reason and content is None and len(calls) == 1
+    name, arguments = calls[0]
+    schema = {"get_weather": WEATHER, "add": ADD}[name]["function"]["parameters"]
+    jsonschema.validate(json.loads(arguments), schema)
+    if isinstance(tool_choice, dict):
+        assert name == "get_weather"
+
+
+def test_auto_tool_calls_parse_the_models_format_and_results_go_back(client: openai.OpenAI,
+                                                                    llm: LLM) -> None:
+    """auto: the Hermes prompt (SmolLM2's template has no tools), the model's own text parsed;
+    a conversation with an earlier call and its result renders and runs."""
+    messages = [{"role": "user", "content": "Add 2 and 3."},
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "call_1", "type": "function",
+                    "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+    variants = _chat_variants(client, messages=messages, tools=[WEATHER, ADD], temperature=0,
+                              max_tokens=30)
+    assert all(v == variants[0] for v in variants), variants
+    from ngramspec.server.tool_calls import render_messages
+
+    prompt = llm.apply_chat_template(render_messages(
+        [{"role": m["role"], "content": m["content"] or "",
+          **({"tool_calls": m["tool_calls"]} if "tool_calls" in m else {})} for m in messages],
+        [WEATHER, ADD], knows_tools=False))
+    text = llm.tokenizer.decode(prompt)
+    assert "<tools>" in text and '"name": "add", "arguments": {"a": 2, "b": 3}' in text
+    assert "<tool_response>\n5\n</tool_response>" in text
+
+
+def test_many_structured_requests_at_once_all_validate(client: openai.OpenAI) -> None:
+    """Concurrent constrained requests over several schemas, speculation on: every output parses
+    and validates, and nothing fails (the full 200-request run is `bench structured`)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jsonschema
+
+    from ngramspec.bench.structured_workloads import SCHEMAS, extraction_prompt
+
+    def one(i: int) -> tuple[dict, str, str]:
+        name, schema = SCHEMAS[i % len(SCHEMAS)]
+        resp = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": extraction_prompt(name, i)}],
+            temperature=0, max_tokens=120,
+            response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema}})
+        return schema, resp.choices[0].message.content, resp.choices[0].finish_reason
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(2 * len(SCHEMAS))))
+    for schema, text, reason in results:
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), schema)
+
+
 # ---- fuzzing ---------------------------------------------------------------------------------
 
 _JUNK = st.one_of(st.none(), st.booleans(), st.integers(-10**20, 10**20),
@@ -497,16 +675,30 @@ _COMMON = {
         "enabled": st.booleans()})),
     "logit_bias": st.one_of(st.just({}), _JUNK),
     "some_unknown_field": _JUNK,
+    "guided_regex": _mostly(st.text(max_size=8)),  # often not a valid regex
+    "guided_choice": _mostly(st.lists(st.text(max_size=4), max_size=3)),
+    "response_format": _mostly(st.one_of(
+        st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema"])}),
+        st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries(
+            {"name": st.just("x"), "schema": st.one_of(st.just(PERSON), st.dictionaries(
+                st.sampled_from(["type", "enum", "properties", "pattern", "minimum"]), _JUNK,
+                max_size=3))})}))),
 }
 # max_tokens is always there and tiny (or junk), so a valid case costs one or two engine steps.
 _REQUIRED = {"model": _mostly(st.just(MODEL)), "max_tokens": _mostly(st.integers(1, 2))}
+_TOOLS = {
+    "tools": _mostly(st.lists(st.one_of(st.just(WEATHER), st.just(ADD)), max_size=2)),
+    "tool_choice": _mostly(st.one_of(st.sampled_from(["none", "auto", "required"]), st.just(
+        {"type": "function", "function": {"name": "get_weather"}}))),
+}
 _BODIES = st.one_of(
     st.tuples(st.just("/v1/completions"), st.fixed_dictionaries(
         {**_REQUIRED, "prompt": _mostly(st.one_of(st.text(max_size=30),
                                                   st.lists(st.integers(0, 49151), max_size=6)))},
         optional=_COMMON)),
     st.tuples(st.just("/v1/chat/completions"), st.fixed_dictionaries(
-        {**_REQUIRED, "messages": _mostly(st.lists(_MESSAGE, max_size=3))}, optional=_COMMON)),
+        {**_REQUIRED, "messages": _mostly(st.lists(_MESSAGE, max_size=3))},
+        optional={**_COMMON, **_TOOLS})),
 )
 
 

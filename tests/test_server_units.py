@@ -94,7 +94,7 @@ def _completion(**body) -> CompletionRequest:
     ({"best_of": 2}, "best_of"),
     ({"echo": "yes"}, "echo"),
     ({"logit_bias": {"1": 5}}, "logit_bias"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_objectx"}}, "response_format.type"),
     ({"seed": 2**64}, "seed"),
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"ngram": {"reference": 5}}, "ngram.reference"),
@@ -111,12 +111,12 @@ def test_values_that_ask_for_nothing_are_accepted() -> None:
     assert req.n == 1
 
 
-def test_chat_rejects_non_text_parts_and_tool_calls() -> None:
+def test_chat_rejects_non_text_parts_and_malformed_tool_calls() -> None:
     image = [{"type": "image_url", "image_url": {"url": "x"}}]
     for message, param in (({"role": "user", "content": image}, "messages.0.content"),
                            ({"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]},
-                            "messages.0.tool_calls"),
-                           ({"role": "tool", "content": "x"}, "messages.0.role")):
+                            "messages.0.tool_calls.0.function"),
+                           ({"role": "robot", "content": "x"}, "messages.0.role")):
         with pytest.raises(ApiError) as e:
             validate(ChatCompletionRequest, {"model": "m", "messages": [message]})
         assert e.value.param == param

@@ -13,7 +13,7 @@ import torch
 from conftest import prefill_logits
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_engine_speculation import RandomTreeDrafter, _chi_square_p, _fields, _tiny_llm
+from test_engine_speculation import RandomTreeDrafter, _chi_square_p, _fields
 
 from ngramspec import LLM, SamplingParams
 from ngramspec.drafting.sources import GRAMMAR
@@ -231,7 +231,8 @@ def _exact_masked_joint(engine, prompt, params, compiler, length=3):
         nxt = {}
         for prefix, p in probs.items():
             g = RequestGrammar(compiler.matcher(spec), compiler.vocab_size, engine.eos_token_ids)
-            if any([g.advance(t) for t in prefix]):  # the grammar ended: so does the request
+            ended = [g.advance(t) for t in prefix]  # every token advances the matcher
+            if any(ended):  # the grammar ended: so does the request
                 nxt[prefix] = p
                 continue
             logits = prefill_logits(engine, prompt + list(prefix))[-1:].clone()

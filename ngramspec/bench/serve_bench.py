@@ -7,6 +7,11 @@ Every prompt of a fixed set is sent as a streaming greedy chat completion, `--co
 time, once with speculation on and once off (the per-request `"ngram": {"enabled": ...}` switch,
 so both runs hit the same server). Reports requests/s, output tokens/s, TTFT p50/p99 and ITL
 p50/p99 (ITL = gap between streamed chunks after the first; a speculative burst is one chunk).
+
+`--structured`: the prompts are JSON extractions over 12 schemas (`response_format`
+json_schema), with every tenth request a `guided_regex` and every tenth a `guided_choice`; each
+output is checked (JSON parsed and validated with `jsonschema`, regex fully matched, choice one
+of the options) and the failures are counted as `invalid`.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ class RequestResult:
     gaps: list[float]
     output_tokens: int
     acceptance_length: float
+    text: str = ""
 
 
 @dataclass(slots=True)
@@ -68,13 +74,14 @@ class Report:
     itl_p99_ms: float
     mean_acceptance_length: float
     errors: int = 0
+    invalid: int = 0  # --structured: outputs that do not match what was asked
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 async def _one(client: Any, url: str, headers: dict[str, str], body: dict[str, Any]
                ) -> RequestResult:
     start = time.perf_counter()
-    first, last, gaps, usage, spec = None, None, [], {}, {}
+    first, last, gaps, usage, spec, text = None, None, [], {}, {}, []
     async with client.stream("POST", url, json=body, headers=headers) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
@@ -85,8 +92,10 @@ async def _one(client: Any, url: str, headers: dict[str, str], body: dict[str, A
                 raise RuntimeError(chunk["error"]["message"])
             usage = chunk.get("usage") or usage
             spec = chunk.get("speculation") or spec
-            if not any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+            pieces = [c.get("delta", {}).get("content") for c in chunk.get("choices", [])]
+            if not any(pieces):
                 continue
+            text += [p for p in pieces if p]
             now = time.perf_counter()
             if first is None:
                 first = now
@@ -96,7 +105,7 @@ async def _one(client: Any, url: str, headers: dict[str, str], body: dict[str, A
     end = time.perf_counter()
     return RequestResult((first or end) - start, end - start, gaps,
                          usage.get("completion_tokens", 0),
-                         spec.get("mean_acceptance_length", 0.0))
+                         spec.get("mean_acceptance_length", 0.0), "".join(text))
 
 
 async def _run_mode(args: argparse.Namespace, model: str, speculative: bool) -> Report:
@@ -104,16 +113,20 @@ async def _run_mode(args: argparse.Namespace, model: str, speculative: bool) -> 
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     url = args.url.rstrip("/") + "/v1/chat/completions"
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.num_prompts)]
+    cases = structured_cases(args.num_prompts) if args.structured else \
+        [(PROMPTS[i % len(PROMPTS)], {}, None) for i in range(args.num_prompts)]
+    prompts = list(range(len(cases)))
     gate = asyncio.Semaphore(args.concurrency)
 
-    def body(prompt: str) -> dict[str, Any]:
+    def body(i: int) -> dict[str, Any]:
+        prompt, constraint, _ = cases[i]
         return {"model": model, "messages": [{"role": "user", "content": prompt}],
                 "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}, "ngram": {"enabled": speculative}}
+                "stream_options": {"include_usage": True}, "ngram": {"enabled": speculative},
+                **constraint}
 
     async with httpx.AsyncClient(timeout=args.timeout) as client:
-        async def limited(prompt: str) -> RequestResult | BaseException:
+        async def limited(prompt: int) -> RequestResult | BaseException:
             async with gate:
                 try:
                     return await _one(client, url, headers, body(prompt))
@@ -124,7 +137,46 @@ async def _run_mode(args: argparse.Namespace, model: str, speculative: bool) -> 
         t0 = time.perf_counter()
         results = await asyncio.gather(*(limited(p) for p in prompts))
         duration = time.perf_counter() - t0
-    return _report("on" if speculative else "off", args.concurrency, duration, results)
+    report = _report("on" if speculative else "off", args.concurrency, duration, results)
+    if args.structured:
+        report.invalid = sum(isinstance(r, RequestResult) and not cases[i][2](r.text)
+                             for i, r in enumerate(results))
+    return report
+
+
+def structured_cases(n: int) -> list[tuple[str, dict[str, Any], Any]]:
+    """(prompt, constraint fields, check(text) -> bool) for request i of n."""
+    import re
+
+    import jsonschema
+
+    from ngramspec.bench.structured_workloads import SCHEMAS, extraction_prompt
+
+    def valid_json(schema: dict[str, Any]) -> Any:
+        def check(text: str) -> bool:
+            try:
+                jsonschema.validate(json.loads(text), schema)
+            except (ValueError, jsonschema.ValidationError):
+                return False
+            return True
+        return check
+
+    cases = []
+    for i in range(n):
+        if i % 10 == 3:
+            cases.append(("Give the phone number of the front desk.",
+                          {"guided_regex": r"[0-9]{3}-[0-9]{4}"},
+                          lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{4}", t) is not None))
+        elif i % 10 == 7:
+            options = ["positive", "negative", "neutral"]
+            cases.append(("Is 'the food was great' positive, negative or neutral?",
+                          {"guided_choice": options}, lambda t, o=options: t in o))
+        else:
+            name, schema = SCHEMAS[i % len(SCHEMAS)]
+            cases.append((extraction_prompt(name, i), {"response_format": {
+                "type": "json_schema", "json_schema": {"name": name, "schema": schema}}},
+                valid_json(schema)))
+    return cases
 
 
 def _report(mode: str, concurrency: int, duration: float,
@@ -159,11 +211,12 @@ def run(args: argparse.Namespace) -> int:
         print()
         return 0
     print(f"{'spec':>4} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} {'p99':>8} "
-          f"{'ITL p50':>8} {'p99':>8} {'accept':>7} {'errors':>6}")
+          f"{'ITL p50':>8} {'p99':>8} {'accept':>7} {'errors':>6} {'invalid':>7}")
     for r in reports:
         print(f"{r.mode:>4} {r.requests_per_s:7.2f} {r.output_tokens_per_s:10.1f} "
               f"{r.ttft_p50_ms:7.0f}ms {r.ttft_p99_ms:6.0f}ms {r.itl_p50_ms:6.0f}ms "
-              f"{r.itl_p99_ms:6.0f}ms {r.mean_acceptance_length:7.2f} {r.errors:6d}")
+              f"{r.itl_p99_ms:6.0f}ms {r.mean_acceptance_length:7.2f} {r.errors:6d} "
+              f"{r.invalid:7d}")
     return 0
 
 
@@ -188,6 +241,8 @@ def register_bench(subparsers: Any) -> None:
     p.add_argument("--modes", type=_modes, default=["on", "off"], help="on,off (default both)")
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--structured", action="store_true",
+                   help="JSON-schema, regex and choice requests, every output checked")
     p.set_defaults(func=run)
 
 

@@ -100,16 +100,18 @@ def run_all(args: argparse.Namespace, prompts: list[BenchPrompt]) -> tuple[dict[
     ids: list[list[int]] = []
     max_tokens = [args.max_tokens or p.max_tokens or DEFAULT_MAX_TOKENS for p in prompts]
     llms = {name: _make_llm(kwargs) for name, kwargs in configs.items()}
-    ids = [llms["plain"].apply_chat_template([{"role": "user", "content": p.text}])
-           for p in prompts]
+    ids = [llms["plain"].apply_chat_template(p.messages()) for p in prompts]
+    grammars = [p.structured for p in prompts]
     extra.update(_engine_info(llms["plain"]))
     if not args.skip_verify_cost:
         extra["verify_cost"] = _verify_cost(llms["plain"])
-    runs.update(run_lockstep(llms, ids, max_tokens, args.concurrency))
+    runs.update(run_lockstep(llms, ids, max_tokens, args.concurrency, grammars))
     del llms
     gc.collect()
     if args.skip_hf:
         extra["notes"].append("HF prompt-lookup decoding skipped (--skip-hf)")
+    elif any(grammars):
+        extra["notes"].append("HF prompt-lookup decoding has no grammar support: skipped")
     elif args.concurrency > 1:
         extra["notes"].append("HF prompt-lookup decoding runs at batch 1 only: skipped")
     else:
@@ -129,7 +131,7 @@ def _make_llm(kwargs: dict[str, Any]):
 
 
 def run_lockstep(llms: dict[str, Any], ids: list[list[int]], max_tokens: list[int],
-                 concurrency: int) -> dict[str, ConfigRun]:
+                 concurrency: int, grammars: list | None = None) -> dict[str, ConfigRun]:
     """Run the same requests on every engine, one engine step each in turn (rotating who goes
     first), timing each engine's steps only. At concurrency 1 the prompts go one at a time
     (timed per prompt); otherwise all at once with max_num_seqs = concurrency."""
@@ -148,7 +150,8 @@ def run_lockstep(llms: dict[str, Any], ids: list[list[int]], max_tokens: list[in
         index: dict[tuple[str, str], int] = {}
         for name in names:
             for i in batch:
-                p = SamplingParams(temperature=0, max_tokens=max_tokens[i])
+                p = SamplingParams(temperature=0, max_tokens=max_tokens[i],
+                                   structured_outputs=grammars[i] if grammars else None)
                 index[name, llms[name].add_request(ids[i], p)] = i
         active, turn = list(names), 0
         while active:
@@ -276,6 +279,11 @@ def build_report(args: argparse.Namespace, prompts: list[BenchPrompt],
                      "categories report mean accepted length and mismatches")
     notes.append("speedups are relative to our plain decoding (hf_pld_speedup included); "
                  "hf_pld_mismatches differ from ours by numerics, not a correctness check")
+    masks = {n: r.engine_stats["grammar_mask_us_per_node"] for n, r in runs.items()
+             if r.engine_stats.get("grammar_mask_us_per_node")}
+    if masks:
+        notes.append("grammar mask cost per tree node (compute + apply): " + ", ".join(
+            f"{n} {us:.1f} us" for n, us in masks.items()))
     mismatches = {n: overall[f"{n}_mismatches"] for n in runs if n != "plain"}
     return {"workload": args.workload, "concurrency": args.concurrency, "limit": args.limit,
             "max_tokens": args.max_tokens, "categories": categories, "overall": overall,

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ngramspec.bench.prompts import BenchPrompt, limit_per_category, spread_indices  # noqa: F401 (re-exported)
+
 SPEC_BENCH_REL = Path("shared/data/spec_bench/question.jsonl")
 CODE_EDIT_LINES = (60, 150)
 CODE_EDIT_MAX_CHARS = 3500  # keeps the rewrite within ~1k tokens
@@ -23,32 +25,6 @@ CODE_EDIT_SKIP = {"test", "tests", "idle_test", "site-packages", "__pycache__", 
                   "turtledemo"}
 
 
-@dataclass(slots=True)
-class BenchPrompt:
-    id: str
-    category: str
-    text: str  # the user message
-    max_tokens: int | None = None  # the workload's own need; None = the benchmark default
-
-
-# ---- shared helpers ---------------------------------------------------------------------------
-
-def spread_indices(n: int, k: int | None) -> list[int]:
-    """k indices spread evenly over range(n), first included; all of them when k is None or >= n."""
-    if k is None or k >= n:
-        return list(range(n))
-    if k <= 0:
-        return []
-    return [i * n // k for i in range(k)]
-
-
-def limit_per_category(prompts: list[BenchPrompt], limit: int | None) -> list[BenchPrompt]:
-    """At most `limit` prompts per category, spread over it; the kept ones stay in input order."""
-    by_cat: dict[str, list[int]] = {}
-    for i, p in enumerate(prompts):
-        by_cat.setdefault(p.category, []).append(i)
-    keep = {group[j] for group in by_cat.values() for j in spread_indices(len(group), limit)}
-    return [p for i, p in enumerate(prompts) if i in keep]
 
 
 # ---- Spec-Bench -------------------------------------------------------------------------------
@@ -184,7 +160,7 @@ def humaneval(limit: int | None = None) -> list[BenchPrompt]:
     return limit_per_category(prompts, limit)
 
 
-WORKLOADS = ("spec_bench", "code_edit", "humaneval")
+WORKLOADS = ("spec_bench", "code_edit", "humaneval", "structured", "tool_call")
 
 
 def build_workload(name: str, limit: int | None = None,
@@ -197,4 +173,9 @@ def build_workload(name: str, limit: int | None = None,
         return code_edit(limit)
     if name == "humaneval":
         return humaneval(limit)
+    if name in ("structured", "tool_call"):
+        from ngramspec.bench import structured_workloads
+
+        return (structured_workloads.structured(limit) if name == "structured"
+                else structured_workloads.tool_calls(limit))
     raise ValueError(f"unknown workload {name!r}: choose one of {', '.join(WORKLOADS)}")

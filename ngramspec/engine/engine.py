@@ -265,18 +265,23 @@ class LLMEngine:
         """Mask every grammar-constrained row in place (the allowed tokens after that row's
         node); returns the sequences whose grammar failed."""
         failed: dict[int, Exception] = {}
+        t0, rows = time.perf_counter(), 0
         for chunk in schedule.chunks:
             seq = chunk.seq
             if seq.grammar is None or seq.seq_id not in spans:
                 continue
             first, tree = spans[seq.seq_id]
             try:
-                masks = seq.grammar.bitmasks(tree).to(logits.device, non_blocking=True)
+                masks = seq.grammar.bitmasks(tree)
             except GrammarViolation as e:
                 failed[seq.seq_id] = e
                 continue
             with torch.inference_mode():  # logits come from the runner's inference mode
                 apply_bitmask(logits[first : first + len(tree)], masks, self.eos_token_ids)
+            rows += len(tree)
+        if rows:
+            self.stats.grammar_mask_time += time.perf_counter() - t0
+            self.stats.grammar_mask_rows += rows
         return failed
 
     @staticmethod

@@ -15,6 +15,8 @@ class EngineStats(SpecCounters):
     draft_time: float = 0.0  # schedule + propose + reserve
     forward_time: float = 0.0
     step_time: float = 0.0
+    grammar_mask_time: float = 0.0  # computing and applying grammar masks (structured outputs)
+    grammar_mask_rows: int = 0  # rows masked: one per tree node (root included)
 
     def add_step(self, draft: float, forward: float, total: float) -> None:
         self.num_steps += 1
@@ -28,4 +30,6 @@ class EngineStats(SpecCounters):
         steps = max(self.num_steps, 1)
         d["draft_ms_per_step"] = 1000 * self.draft_time / steps
         d["forward_ms_per_step"] = 1000 * self.forward_time / steps
+        if self.grammar_mask_rows:
+            d["grammar_mask_us_per_node"] = 1e6 * self.grammar_mask_time / self.grammar_mask_rows
         return d

@@ -26,6 +26,15 @@ from ngramspec.server.protocol import (
 )
 from ngramspec.server.state import ServerState
 from ngramspec.server.text import TextAssembler
+from ngramspec.server.tool_calls import (
+    ToolCall,
+    ToolCallParser,
+    render_messages,
+    template_knows_tools,
+    tool_call_grammar,
+)
+from ngramspec.structured.grammar import GrammarError
+from ngramspec.structured.params import StructuredOutputsParams
 
 router = APIRouter()
 
@@ -52,6 +61,8 @@ class Generation:
     echo: str | None = None  # completions' echo: the prompt's text, returned first
     echo_first_id: int | None = None  # ... and its first token (listed without a logprob)
     prompt_logprobs: list = field(default_factory=list)  # echo's prompt tokens 1..
+    tools: ToolCallParser | None = None  # chat with tools: splits the text into content + calls
+    tool_mode: str = "none"  # "auto", "required", "named" or "none"
 
     def logprobs_body(self, entries: list, prompt: list | None = None) -> dict[str, Any] | None:
         """`prompt`: echo's prompt-token entries, listed before `entries` (the first response
@@ -85,11 +96,25 @@ async def create_chat_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
     req = validate(ChatCompletionRequest, parse_json(await request.body()))
     check_model(state, req.model)
+    mode = req.tool_mode
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if mode != "none" else None
+    knows_tools = template_knows_tools(getattr(state.tokenizer, "chat_template", None))
+    messages = render_messages([m.as_template_message() for m in req.messages], tools,
+                               knows_tools)
     try:
-        prompt_ids = await state.encoder.chat([m.as_template_message() for m in req.messages])
+        prompt_ids = await state.encoder.chat(messages, tools if knows_tools else None)
     except Exception as e:  # the chat template rejects the conversation (e.g. role order)
         raise bad_request(f"messages: the chat template failed: {e}", "messages") from e
-    return await _respond(request, state, req, prompt_ids, "chat", arrival, None)
+    structured = req.structured()
+    if mode in ("required", "named"):
+        if structured is not None:
+            raise bad_request(f"tool_choice {mode!r} already constrains the output; drop "
+                              "response_format / structured_outputs", "tool_choice")
+        name = req.tool_choice.function.name if mode == "named" else None
+        structured = StructuredOutputsParams(
+            grammar=tool_call_grammar(tools or [], name, req.parallel_tool_calls))
+    return await _respond(request, state, req, prompt_ids, "chat", arrival, None, structured,
+                          mode, {t["function"]["name"] for t in tools or []})
 
 
 def check_model(state: ServerState, model: str) -> None:
@@ -113,13 +138,23 @@ async def _completion_prompt(state: ServerState, prompt: Any) -> list[int]:
 
 
 async def _respond(request: Request, state: ServerState, req: Any, prompt_ids: list[int],
-                   kind: str, arrival: float, default_max_tokens: int | None) -> Response:
-    params = sampling_params(req, len(prompt_ids), state.max_model_len, default_max_tokens)
+                   kind: str, arrival: float, default_max_tokens: int | None,
+                   structured: StructuredOutputsParams | None = None, tool_mode: str = "none",
+                   tool_names: set[str] | None = None) -> Response:
+    if kind == "completion":
+        structured = req.structured()
+    if structured is not None:
+        await _compile(state, structured, "tool_choice" if tool_mode != "none"
+                       else _structured_param(req))
+    params = sampling_params(req, len(prompt_ids), state.max_model_len, default_max_tokens,
+                             structured)
     references = None
     if req.ngram is not None and req.ngram.references:
         encoded = [await state.encoder.encode(r) for r in req.ngram.references]
         references = [ids for ids in encoded if ids] or None
     gen = await _admit(state, req, kind, prompt_ids, params, references, arrival)
+    if tool_mode != "none":
+        gen.tools, gen.tool_mode = ToolCallParser(tool_names or set()), tool_mode
     if getattr(req, "echo", False):
         prompt = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and \
             isinstance(req.prompt[0], (str, list)) else req.prompt
@@ -134,6 +169,28 @@ async def _respond(request: Request, state: ServerState, req: Any, prompt_ids: l
     if body is None:  # the client left; nobody reads this
         return Response(status_code=499)
     return JSONResponse(body)
+
+
+async def _compile(state: ServerState, spec: StructuredOutputsParams, param: str) -> None:
+    """Compile (or find cached) the request's grammar off the event loop and the engine thread,
+    so the engine only copies it; 400 if it is invalid or takes too long."""
+    grammars = state.engine.engine.grammars
+    timeout = state.settings.grammar_compile_timeout
+    try:
+        await asyncio.wait_for(asyncio.to_thread(grammars.compile, spec), timeout)
+    except GrammarError as e:
+        raise bad_request(str(e), param, code="invalid_grammar") from e
+    except TimeoutError as e:  # the thread finishes on its own (llguidance's fuel bounds it)
+        raise bad_request(f"compiling the {spec.kind} took longer than {timeout:g} s",
+                          param, code="grammar_too_complex") from e
+
+
+def _structured_param(req: Any) -> str:
+    for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                 "guided_choice", "guided_grammar"):
+        if getattr(req, name, None) is not None:
+            return name
+    return "response_format"
 
 
 async def _admit(state: ServerState, req: Any, kind: str, prompt_ids: list[int], params: Any,
@@ -231,10 +288,27 @@ def speculation(spec: SpecStats | None) -> dict[str, Any]:
     return asdict(spec or SpecStats())
 
 
+def _finish_reason(gen: Generation, reason: str | None, has_calls: bool) -> str | None:
+    # OpenAI: "tool_calls" when the model chose to call; a named tool_choice ends with "stop".
+    if has_calls and reason == "stop" and gen.tool_mode != "named":
+        return "tool_calls"
+    return reason
+
+
 def _full_body(gen: Generation, text: str, event: TokenEvent) -> dict[str, Any]:
     if gen.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": gen.logprobs_body(gen.logprobs), "finish_reason": event.finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        reason = event.finish_reason
+        if gen.tools is not None:
+            content, calls = gen.tools.push(text)
+            rest, more = gen.tools.finish()
+            content = (content + rest).strip()
+            message = {"role": "assistant", "content": content or None}
+            if calls + more:
+                message["tool_calls"] = [c.body() for c in calls + more]
+            reason = _finish_reason(gen, reason, bool(calls + more))
+        choice = {"index": 0, "message": message,
+                  "logprobs": gen.logprobs_body(gen.logprobs), "finish_reason": reason}
         obj = "chat.completion"
     else:
         prompt = gen.prompt_logprobs if gen.echo is not None else None
@@ -246,11 +320,15 @@ def _full_body(gen: Generation, text: str, event: TokenEvent) -> dict[str, Any]:
 
 
 def _chunk(gen: Generation, text: str | None, finish_reason: str | None = None,
-           role: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+           role: bool = False, logprobs: dict[str, Any] | None = None,
+           calls: list[ToolCall] | None = None) -> dict[str, Any]:
     if gen.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
+        if calls:
+            first = len(gen.tools.calls) - len(calls) if gen.tools is not None else 0
+            delta["tool_calls"] = [c.body(first + i) for i, c in enumerate(calls)]
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
@@ -276,19 +354,30 @@ async def _sse_events(state: ServerState, gen: Generation) -> AsyncIterator[byte
         prompt = event.prompt_logprobs if gen.echo is not None else None
         if not event.finished:
             delta = gen.text.push(event.token_ids)
+            calls: list[ToolCall] = []
+            if gen.tools is not None:
+                delta, calls = gen.tools.push(delta)
             # a chunk per step that has text or logprobs (a token's text may come a step later)
             logprobs = gen.logprobs_body(event.logprobs, prompt) if event.logprobs else None
-            if delta or logprobs is not None:
-                yield _sse(_chunk(gen, delta, logprobs=logprobs))
+            if delta or calls or logprobs is not None:
+                yield _sse(_chunk(gen, delta if delta or not calls else None, logprobs=logprobs,
+                                  calls=calls))
             continue
         _finish(state, gen, event)
         if event.error is not None:
             error = ApiError(503, event.error, type="server_error", code="aborted")
             yield _sse(error.body())
             break
-        last = _chunk(gen, gen.text.finish(event.token_ids, event.stop_text_len),
-                      event.finish_reason,
-                      logprobs=gen.logprobs_body(event.logprobs, prompt) if event.logprobs else None)
+        text = gen.text.finish(event.token_ids, event.stop_text_len)
+        reason, calls = event.finish_reason, []
+        if gen.tools is not None:
+            text, calls = gen.tools.push(text)
+            rest, more = gen.tools.finish()
+            text, calls = text + rest, calls + more
+            reason = _finish_reason(gen, reason, bool(gen.tools.calls))
+        last = _chunk(gen, text if text or not calls else None, reason,
+                      logprobs=gen.logprobs_body(event.logprobs, prompt) if event.logprobs else None,
+                      calls=calls)
         last["speculation"] = speculation(event.spec)
         yield _sse(last)
         if gen.include_usage:

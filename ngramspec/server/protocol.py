@@ -2,8 +2,12 @@
 SamplingParams.
 
 Unknown fields are ignored, as OpenAI's API does for fields it does not know. Fields OpenAI
-defines but we cannot honour (n > 1, tools, ...) get a 400 naming the field, so a client
+defines but we cannot honour (n > 1, logit_bias, ...) get a 400 naming the field, so a client
 never silently gets something other than what it asked for.
+
+Structured outputs come as OpenAI's `response_format` or vLLM's extra-body fields
+(`structured_outputs: {json|regex|choice|grammar|json_object}`, and the older `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar`); at most one per request.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ngramspec.sampling_params import MAX_LOGPROBS, SamplingParams
+from ngramspec.structured.params import StructuredOutputsParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
@@ -65,6 +70,31 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Strict):
+    """vLLM's `structured_outputs` extra-body field."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")  # typos are errors, not ignored
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+
 class _GenerationRequest(_Strict):
     model: str
     max_tokens: int | None = None
@@ -84,6 +114,52 @@ class _GenerationRequest(_Strict):
     ignore_eos: bool = False
     ngram: NgramHints | None = None
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """What the output must match, from whichever field asked; 400 if several did."""
+        asked: list[tuple[str, dict[str, Any]]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise bad_request("response_format json_schema needs json_schema.schema",
+                                  "response_format")
+            asked.append(("response_format", {"json": fmt.json_schema.json_schema}))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            fields = {"json": so.json_schema, "regex": so.regex, "choice": so.choice,
+                      "grammar": so.grammar, "json_object": so.json_object}
+            asked.append(("structured_outputs",
+                          {k: v for k, v in fields.items() if v not in (None, False)}
+                          | {"disable_any_whitespace": so.disable_any_whitespace,
+                             "whitespace_pattern": so.whitespace_pattern}))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                          ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                asked.append((name, {key: getattr(self, name)}))
+        if not asked:
+            return None
+        if len(asked) > 1:
+            raise bad_request("ask for one structured output at a time (got "
+                              f"{', '.join(n for n, _ in asked)})", asked[1][0])
+        param, fields = asked[0]
+        if self.guided_whitespace_pattern is not None and param != "structured_outputs":
+            fields["whitespace_pattern"] = self.guided_whitespace_pattern
+        if isinstance(fields.get("json"), bool):
+            fields["json"] = {} if fields["json"] else {"not": {}}
+        try:
+            return StructuredOutputsParams(**fields)
+        except ValueError as e:
+            raise bad_request(f"{param}: {str(e).removeprefix('StructuredOutputsParams.')}",
+                              param) from e
 
     @property
     def include_usage(self) -> bool:
@@ -119,16 +195,56 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
 
-    def as_template_message(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(
+
+class ToolCallIn(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
+
+    def as_template_message(self) -> dict[str, Any]:
+        text = self.content if isinstance(self.content, str) or self.content is None else "".join(
             p.text for p in self.content)
         # The chat template knows "system"; OpenAI's "developer" role means the same.
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": text if text is not None else ""}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -136,6 +252,24 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def tool_mode(self) -> str:
+        """"none" (tools unused), "auto", "required" or "named"."""
+        if not self.tools:
+            if self.tool_choice not in (None, "none"):
+                raise bad_request("tool_choice needs tools", "tool_choice")
+            return "none"
+        choice = self.tool_choice or "auto"
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in {t.function.name for t in self.tools}:
+                raise bad_request(f"tool_choice names {choice.function.name!r}, which is not "
+                                  "among tools", "tool_choice")
+            return "named"
+        return choice
 
     @property
     def requested_logprobs(self) -> int | None:
@@ -189,11 +323,8 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: v is None or v == 1,
     "suffix": _nothing,
     "logit_bias": _nothing,
-    "tools": _nothing,
-    "tool_choice": lambda v: v is None or v == "none",
-    "functions": _nothing,
+    "functions": _nothing,  # the deprecated form of tools
     "function_call": lambda v: v is None or v == "none",
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "audio": _nothing,
     "modalities": lambda v: v is None or v == ["text"],
     "prediction": _nothing,
@@ -209,10 +340,11 @@ def check_unsupported(body: dict[str, Any]) -> None:
     for i, message in enumerate(messages if isinstance(messages, list) else []):
         if not isinstance(message, dict):
             continue
-        if not _nothing(message.get("tool_calls")):
-            raise bad_request("ngramspec does not support tool calls in messages",
-                              f"messages.{i}.tool_calls", code="unsupported_parameter")
         content = message.get("content")
+        if content is None and not (message.get("role") == "assistant"
+                                    and message.get("tool_calls")):
+            # only an assistant turn that calls tools may come without content
+            raise bad_request(f"messages.{i}.content: Field required", f"messages.{i}.content")
         if isinstance(content, list) and any(
                 isinstance(part, dict) and part.get("type") != "text" for part in content):
             raise bad_request("ngramspec supports only text content parts", f"messages.{i}.content",
@@ -241,7 +373,8 @@ def _is_type_tag(part: Any) -> bool:
 # ---- sampling -------------------------------------------------------------------------------
 
 def sampling_params(req: _GenerationRequest, num_prompt_tokens: int, max_model_len: int,
-                    default_max_tokens: int | None) -> SamplingParams:
+                    default_max_tokens: int | None,
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """SamplingParams for `req`; 400 for anything SamplingParams or the context rejects."""
     room = max_model_len - num_prompt_tokens
     if room < 1:
@@ -277,7 +410,8 @@ def sampling_params(req: _GenerationRequest, num_prompt_tokens: int, max_model_l
             repetition_penalty=req.repetition_penalty,
             speculative=req.ngram is None or req.ngram.enabled,
             logprobs=req.requested_logprobs, logprobs_mode=req.logprobs_mode,
-            prompt_logprobs=getattr(req, "requested_prompt_logprobs", None))
+            prompt_logprobs=getattr(req, "requested_prompt_logprobs", None),
+            structured_outputs=structured)
     except ValueError as e:
         raise bad_request(str(e).removeprefix("SamplingParams."), _param_of(str(e), param)) from e
 

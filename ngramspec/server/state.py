@@ -34,12 +34,16 @@ class ServerSettings:
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish
     max_in_flight: int = 1024  # requests admitted at once; more get 429
     completion_default_max_tokens: int = 16  # OpenAI's default for /v1/completions
+    grammar_compile_timeout: float = 10.0  # seconds; a slower schema or grammar gets a 400
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_in_flight", "completion_default_max_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ServerSettings.{name}={value!r} must be a positive integer")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"ServerSettings.grammar_compile_timeout="
+                             f"{self.grammar_compile_timeout!r} must be > 0")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"ServerSettings.shutdown_timeout={self.shutdown_timeout!r} "
                              "must be >= 0")
@@ -81,10 +85,13 @@ class Encoder:
     async def encode(self, text: str) -> list[int]:
         return await self._run(self.tokenizer.encode, text, add_special_tokens=False)
 
-    async def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """The prompt LLM.apply_chat_template builds, so outputs match LLM.chat."""
+    async def chat(self, messages: list[dict[str, Any]],
+                   tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The prompt LLM.apply_chat_template builds, so outputs match LLM.chat; `tools` only
+        for a template that renders them (see tool_calls.render_messages)."""
+        extra = {"tools": tools} if tools else {}
         ids = await self._run(self.tokenizer.apply_chat_template, messages,
-                              add_generation_prompt=True, tokenize=True)
+                              add_generation_prompt=True, tokenize=True, **extra)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     async def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:

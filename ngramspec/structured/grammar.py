@@ -25,9 +25,11 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from ngramspec.structured.params import StructuredOutputsParams
 
-# Whitespace allowed between JSON tokens: at most this many characters per gap. Unbounded
-# whitespace lets a small model emit newlines until max_tokens and never close the document.
-JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
+# JSON layouts (see StructuredOutputsParams): one line with spaces after "," and ":" by default.
+# Free whitespace would let a small model emit newlines until max_tokens, and would leave no
+# token forced; a fixed layout forces every key and separator of a schema's required fields.
+JSON_ONE_LINE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
 class GrammarError(ValueError):
@@ -46,8 +48,10 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
                 raise GrammarError(f"the JSON schema is not valid JSON: {e}") from e
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("a JSON schema must be an object or a boolean")
-        options: dict[str, Any] = {"whitespace_flexible": False} if spec.disable_any_whitespace \
-            else {"whitespace_pattern": JSON_WHITESPACE}
+        options: dict[str, Any] = (
+            JSON_COMPACT if spec.disable_any_whitespace
+            else {"whitespace_flexible": True, "whitespace_pattern": spec.whitespace_pattern}
+            if spec.whitespace_pattern is not None else JSON_ONE_LINE)
         try:
             return LLMatcher.grammar_from_json_schema(schema, defaults=options)
         except (ValueError, TypeError) as e:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from llguidance import LLMatcher
 
@@ -154,11 +155,21 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
                   eos_token_ids: tuple[int, ...]) -> None:
     """Forbidden tokens' logits to -inf, in place. A row that allows nothing (a grammar that
     failed) allows EOS instead, so no row is all -inf (which would sample NaN)."""
-    # logits: [n, V] float; bitmask: [n, W] int32 with 32 W >= V
+    # logits: [n, V] float; bitmask: [n, W] int32 on the CPU, bit t of word w = token 32 w + t
     n, vocab = logits.shape
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).view(n, -1)[:, :vocab].bool()
-    empty = ~allowed.any(dim=1)
-    if bool(empty.any()):
-        allowed[empty.nonzero()[:, 0].unsqueeze(1), torch.tensor(list(eos_token_ids))] = True
-    logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
+    words = bitmask.numpy().view(np.uint32).copy()
+    for row in np.flatnonzero(~words.any(axis=1)):
+        for eos in eos_token_ids:
+            words[row, eos // 32] |= np.uint32(1 << (eos % 32))
+    allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little", count=vocab)
+    # An additive bias of 0 or -inf, built as float bit patterns: a branch-free add is ~10x
+    # faster than masked_fill/where, whose cost follows the mask's (unpredictable) pattern.
+    bias = ((1 - allowed).astype(np.int32) * _NEG_INF_BITS).view(np.float32)
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        # numpy, on this thread: a torch op this small still wakes the whole thread pool
+        np.add(logits.numpy(), bias, out=logits.numpy())
+    else:
+        logits.add_(torch.from_numpy(bias).to(logits.device, logits.dtype))
+
+
+_NEG_INF_BITS = np.int32(-8388608)  # 0xFF800000: float32 -inf

@@ -22,7 +22,12 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
-    disable_any_whitespace: bool = False  # JSON: no whitespace between tokens at all
+    # JSON layout. Default: one line, `{"a": 1, "b": [2, 3]}` (", " and ": " separators, no
+    # other whitespace), so a schema's keys and punctuation are forced tokens (free drafts) and
+    # a small model cannot loop on newlines. `disable_any_whitespace`: `{"a":1,"b":[2,3]}`.
+    # `whitespace_pattern`: a regex for the whitespace allowed between any two JSON tokens.
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -56,4 +61,5 @@ class StructuredOutputsParams:
                 pass  # compiling reports it
         if isinstance(value, (dict, tuple)):
             value = json.dumps(value, sort_keys=True)
-        return json.dumps([self.kind, value, self.disable_any_whitespace])
+        return json.dumps([self.kind, value, self.disable_any_whitespace,
+                           self.whitespace_pattern])
