@@ -235,7 +235,7 @@ class LogitsProbe:
         self._nested = "_postprocess" in vars(engine)  # another probe is already recording
         engine._postprocess = self._postprocess  # instance attribute shadows the method
 
-    def _postprocess(self, schedule, trees, logits):
+    def _postprocess(self, schedule, trees, logits, *rest):
         row = 0
         for chunk in schedule.chunks:
             if not chunk.samples:
@@ -243,7 +243,7 @@ class LogitsProbe:
             n = len(trees[chunk.seq.seq_id]) if chunk.seq.seq_id in trees else 1
             self.rows.setdefault(chunk.seq.request_id, []).append(logits[row].clone())
             row += n
-        return self._original(schedule, trees, logits)
+        return self._original(schedule, trees, logits, *rest)
 
     def close(self) -> None:
         if self._nested:

@@ -178,6 +178,7 @@ class LLMEngine:
             return []
         try:
             trees = self._propose(schedule)
+            masks = self._grammar_masks(schedule, trees)
             t1 = time.perf_counter()
             items = [self._forward_item(c, trees.get(c.seq.seq_id)) for c in schedule.chunks]
             logits = self.runner.run(items)  # [rows, vocab]
@@ -185,7 +186,7 @@ class LLMEngine:
             self._fail(schedule)
             raise
         t2 = time.perf_counter()
-        outputs = self._postprocess(schedule, trees, logits)
+        outputs = self._postprocess(schedule, trees, logits, masks)
         if self.speculator is not None:
             self.speculator.after_step(schedule, time.perf_counter() - t0)
         self.stats.add_step(t1 - t0, t2 - t1, time.perf_counter() - t0)
@@ -223,8 +224,8 @@ class LLMEngine:
         return ForwardItem(seq.token_ids[start:end], list(range(start, end)), seq.slots,
                            chunk.slots, None, rows)
 
-    def _postprocess(self, schedule: Schedule, trees: dict[int, DraftTree],
-                     logits: torch.Tensor) -> list[StepOutput]:
+    def _postprocess(self, schedule: Schedule, trees: dict[int, DraftTree], logits: torch.Tensor,
+                     masks: dict[int, torch.Tensor | Exception]) -> list[StepOutput]:
         """Verify, commit and observe every chunk that yields a token; commit the others."""
         # logits: [rows, vocab]; each chunk's prompt-logprob rows, then its tree's rows
         spans, row = {}, 0
@@ -234,7 +235,7 @@ class LLMEngine:
                 tree = trees.get(chunk.seq.seq_id) or DraftTree.root_only(chunk.seq.token_ids[-1])
                 spans[chunk.seq.seq_id] = (row, tree)
                 row += len(tree)
-        failed = self._apply_grammars(schedule, spans, logits)
+        failed = self._apply_grammars(spans, masks, logits)
         greedy_targets = self._greedy_targets([c for c in schedule.chunks if c.samples], logits)
         outputs, row = [], 0
         for chunk in schedule.chunks:
@@ -260,28 +261,41 @@ class LLMEngine:
             outputs.append(self._append(seq, tree, result, logits[first:row]))
         return outputs
 
-    def _apply_grammars(self, schedule: Schedule, spans: dict[int, tuple[int, DraftTree]],
-                        logits: torch.Tensor) -> dict[int, Exception]:
-        """Mask every grammar-constrained row in place (the allowed tokens after that row's
-        node); returns the sequences whose grammar failed."""
-        failed: dict[int, Exception] = {}
-        t0, rows = time.perf_counter(), 0
+    def _grammar_masks(self, schedule: Schedule, trees: dict[int, DraftTree]
+                       ) -> dict[int, torch.Tensor | Exception]:
+        """seq_id -> the allowed-token bitmask after every node of its tree (the root alone for
+        a prefill's sampling row), or the GrammarViolation that ended its grammar. Computed
+        before the forward pass, while the matcher's tables are still in cache from drafting."""
+        masks: dict[int, torch.Tensor | Exception] = {}
+        t0 = time.perf_counter()
         for chunk in schedule.chunks:
             seq = chunk.seq
-            if seq.grammar is None or seq.seq_id not in spans:
+            if seq.grammar is None or not chunk.samples:
                 continue
-            first, tree = spans[seq.seq_id]
+            tree = trees.get(seq.seq_id) or DraftTree.root_only(seq.token_ids[-1])
             try:
-                masks = seq.grammar.bitmasks(tree)
+                masks[seq.seq_id] = seq.grammar.bitmasks(tree)
             except GrammarViolation as e:
-                failed[seq.seq_id] = e
+                masks[seq.seq_id] = e
+        self.stats.grammar_mask_time += time.perf_counter() - t0
+        return masks
+
+    def _apply_grammars(self, spans: dict[int, tuple[int, DraftTree]],
+                        masks: dict[int, torch.Tensor | Exception],
+                        logits: torch.Tensor) -> dict[int, Exception]:
+        """Mask every grammar-constrained row in place; returns the sequences whose grammar
+        failed."""
+        failed: dict[int, Exception] = {}
+        t0 = time.perf_counter()
+        for seq_id, mask in masks.items():
+            if isinstance(mask, Exception):
+                failed[seq_id] = mask
                 continue
+            first, tree = spans[seq_id]
             with torch.inference_mode():  # logits come from the runner's inference mode
-                apply_bitmask(logits[first : first + len(tree)], masks, self.eos_token_ids)
-            rows += len(tree)
-        if rows:
-            self.stats.grammar_mask_time += time.perf_counter() - t0
-            self.stats.grammar_mask_rows += rows
+                apply_bitmask(logits[first : first + len(tree)], mask, self.eos_token_ids)
+            self.stats.grammar_mask_rows += len(tree)
+        self.stats.grammar_mask_time += time.perf_counter() - t0
         return failed
 
     @staticmethod
