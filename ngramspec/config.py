@@ -31,6 +31,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     kv_cache_bytes: int = 1 << 30  # memory budget for K/V; sets the number of slots
     num_threads: int | None = None  # CPU threads for torch; None leaves torch's default
+    # Keep finished requests' K/V indexed by token prefix; a prompt that starts with a cached
+    # prefix skips its prefill (engine/prefix_cache.py).
+    enable_prefix_caching: bool = True
     speculative: Literal["ngram"] | None = None
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     # Speculation pays only when expected accepted tokens beat the extra verify cost; this

@@ -341,3 +341,23 @@ def check_divergence(llm, name: str, prompt: list[int], ours: list[int], ref: li
     gap = top2_gap(logits)
     print(f"{name}: spec and plain differ first at output token {k}; top-2 logit gap there {gap:.3g}")
     assert gap < MAX_GAP, f"{name}: divergence at token {k} with top-2 gap {gap:.3g} >= {MAX_GAP}"
+
+
+def held_slots(engine: LLMEngine) -> tuple[list[int], list[int]]:
+    """(slots running requests own, slots the prefix cache holds): disjoint, no duplicates."""
+    sched = engine.scheduler
+    own = [s for seq in sched.running for s in seq.slots[seq.num_shared:]]
+    cached = sched.cache.slots() if sched.cache is not None else []
+    assert len(own) + len(cached) == len(set(own) | set(cached)), "a slot is held twice"
+    return own, cached
+
+
+def assert_no_kv_leak(engine: LLMEngine) -> None:
+    """Every KV slot is free, held by a running request, or cached; with nothing running, every
+    cached slot can be evicted."""
+    own, cached = held_slots(engine)
+    alloc = engine.allocator
+    assert len(own) + len(cached) + alloc.num_free == alloc.num_usable, "K/V slots leaked"
+    cache = engine.scheduler.cache
+    if not engine.has_unfinished() and cache is not None:
+        assert cache.num_evictable == cache.num_nodes, "a finished request still locks the cache"

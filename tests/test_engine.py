@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import GREEDY, NUM_THREADS, assert_same_tokens, prefill_logits
+from conftest import GREEDY, NUM_THREADS, assert_no_kv_leak, assert_same_tokens, prefill_logits
 
 from ngramspec import LLM, SamplingParams
 
@@ -70,7 +70,7 @@ def _still_serves(llm, prompt_ids, greedy_alone) -> None:
     assert not llm.engine.has_unfinished(), "a rejected request was left in the engine"
     out = llm.generate(prompt_ids[1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     assert out[0].token_ids == greedy_alone[1].tokens[:2]
-    assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
+    assert_no_kv_leak(llm.engine)
 
 
 @pytest.mark.parametrize("make_call, match", [

@@ -13,6 +13,7 @@ from conftest import (
     PROMPTS,
     GreedyRef,
     LogitsProbe,
+    assert_no_kv_leak,
     assert_same_tokens,
     top2_gap,
 )
@@ -127,7 +128,7 @@ def _workload(n: int, vocab: int) -> list[tuple[list[int], SamplingParams]]:
 
 def _run_checked(llm: LLM, workload) -> tuple[dict[str, list[int]], dict[str, int]]:
     """Submit in waves between steps and check slot accounting after every step."""
-    engine, alloc = llm.engine, llm.engine.allocator
+    engine = llm.engine
     preempt, counts = engine.scheduler.preempt, {"preempted": 0, "waited": 0}
 
     def counting_preempt(seq) -> None:
@@ -147,8 +148,7 @@ def _run_checked(llm: LLM, workload) -> tuple[dict[str, list[int]], dict[str, in
             for out in engine.step():
                 outputs.setdefault(out.seq.request_id, []).extend(out.new_token_ids)
             running = engine.scheduler.running
-            held = [s for seq in running for s in seq.slots]
-            assert len(held) == len(set(held)) and len(held) + alloc.num_free == alloc.num_usable
+            assert_no_kv_leak(engine)
             assert all(not seq.slots for seq in engine.scheduler.waiting)
             counts["waited"] += bool(running and engine.scheduler.waiting)
     finally:
@@ -164,8 +164,7 @@ def test_thousands_of_requests_under_a_small_cache(tiny_model_dirs) -> None:
     rec.close()
     small = _tiny_llm(tiny_model_dirs["llama"], 100, max_num_seqs=16)
     outputs, counts = _run_checked(small, workload)
-    alloc = small.engine.allocator
-    assert alloc.num_free == alloc.num_usable, "K/V slots leaked"
+    assert_no_kv_leak(small.engine)
     assert free_counts["preempted"] == 0
     assert counts["preempted"] >= 20 and counts["waited"] >= 50, counts
     for i, (_, params) in enumerate(workload):
@@ -206,7 +205,7 @@ def test_a_request_that_outgrows_the_whole_cache_ends_instead_of_hanging(tiny_mo
         engine.step()
     assert seq.is_finished and seq.finish_reason == "length"
     assert seq.num_tokens <= engine.allocator.num_usable
-    assert engine.allocator.num_free == engine.allocator.num_usable
+    assert_no_kv_leak(engine)
 
 
 # ----------------------------------------------------------------------------- engine, real model
@@ -226,4 +225,4 @@ def test_preemption_never_corrupts_running_requests(prompt_ids, greedy_alone) ->
     assert count[0] > 0, "no preemption happened: the test proves nothing"
     for i, out in zip(chosen, outs):
         assert_same_tokens(out.token_ids, greedy_alone[i], f"prompt {i} with {usable} slots")
-    assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
+    assert_no_kv_leak(llm.engine)

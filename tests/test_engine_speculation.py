@@ -7,7 +7,13 @@ import random
 
 import pytest
 import torch
-from conftest import check_divergence, first_difference, prefill_logits, spec_prompts
+from conftest import (
+    assert_no_kv_leak,
+    check_divergence,
+    first_difference,
+    prefill_logits,
+    spec_prompts,
+)
 
 from ngramspec import LLM, SamplingParams
 from ngramspec.drafting.config import DrafterConfig
@@ -119,7 +125,7 @@ def _with_oracle(prompts, futures_params):
             for i, (prompt, (_, params)) in enumerate(zip(prompts, futures_params))]
     while engine.has_unfinished():
         engine.step()
-    assert engine.allocator.num_free == engine.allocator.num_usable
+    assert_no_kv_leak(engine)
     return seqs
 
 
@@ -283,8 +289,7 @@ def test_thousand_mixed_requests_leave_no_slot_behind(tiny_model_dirs):
                                      max_tokens=rng.randrange(1, 24), speculative=kind != 2))
     outs = spec.generate(prompts, params)
     refs = plain.generate(prompts, params)
-    alloc = spec.engine.allocator
-    assert alloc.num_free == alloc.num_usable
+    assert_no_kv_leak(spec.engine)
     assert spec.engine.stats.num_accepted_tokens > 0
     for o, r, p in zip(outs, refs, params):
         assert len(o.token_ids) == p.max_tokens

@@ -276,7 +276,8 @@ class _ScriptedEngine:
         from types import SimpleNamespace
 
         self.allocator = SimpleNamespace(num_free=100, num_usable=100)
-        self.scheduler = SimpleNamespace(running=[], waiting=[], max_num_seqs=8)
+        self.scheduler = SimpleNamespace(running=[], waiting=[], max_num_seqs=8, cache=None,
+                                         num_available=100)
         self.stats = SimpleNamespace(num_steps=0)
         self.fail_for = fail_for
         self.threads: set[str] = set()

@@ -71,7 +71,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_cfg, load_state_dict(model_dir), num_slots,
                                   self.max_model_len, dtype, device, self._gguf_weights(config),
                                   config.torch_kv_dtype)
-        self.scheduler = Scheduler(num_slots, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(num_slots, config.max_num_seqs, config.max_num_batched_tokens,
+                                   prefix_cache=config.enable_prefix_caching)
         # A sequence longer than the whole cache could never be rescheduled (it would wait forever),
         # so it must end with "length" before it gets there.
         self.max_model_len = min(self.max_model_len, self.allocator.num_usable)
@@ -190,6 +191,7 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.after_step(schedule, time.perf_counter() - t0)
         self.stats.add_step(t1 - t0, t2 - t1, time.perf_counter() - t0)
+        self.stats.num_prefill_tokens += sum(c.num_tokens for c in schedule.prefills)
         return outputs
 
     def _propose(self, schedule: Schedule) -> dict[int, DraftTree]:
@@ -367,7 +369,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence) -> None:
         seq.finish_time = time.perf_counter()
-        self.scheduler.finish(seq)
+        self.scheduler.finish(seq, reusable=seq.finish_reason != "error")
         if self.speculator is not None:
             self.speculator.stop(seq)
         self._seqs.pop(seq.request_id, None)

@@ -13,6 +13,7 @@ from ngramspec.engine.logprobs import TokenLogprob
 from ngramspec.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from ngramspec.engine.prefix_cache import Node
     from ngramspec.structured.matcher import RequestGrammar
 
 
@@ -61,6 +62,10 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if asked
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., if asked
     grammar: RequestGrammar | None = None  # params.structured_outputs' matcher, at the last token
+    # Prefix cache: slots[:num_shared] belong to the cache (the locked path ending at cache_node);
+    # the rest are the sequence's own.
+    cache_node: Node | None = None
+    num_shared: int = 0
 
     @property
     def num_tokens(self) -> int:

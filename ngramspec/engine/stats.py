@@ -12,6 +12,7 @@ class EngineStats(SpecCounters):
     """Every request's verify counters summed (SpecCounters.add), plus step counts and timings."""
 
     num_steps: int = 0
+    num_prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model
     draft_time: float = 0.0  # schedule + propose + reserve
     forward_time: float = 0.0
     step_time: float = 0.0

@@ -82,7 +82,8 @@ def _add_basic_routes(app: FastAPI) -> None:
         engine, snap = state.engine, state.engine.snapshot
         status = "ok" if engine.running and engine.accepting else "unavailable"
         body = {"status": status, "model": state.model_name, "kv_free": snap.kv_free,
-                "kv_usable": snap.kv_usable, "running": snap.num_running,
+                "kv_usable": snap.kv_usable, "kv_cached": snap.kv_cached,
+                "running": snap.num_running,
                 "waiting": snap.num_waiting, "in_flight": engine.num_in_flight,
                 "engine_failures": engine.failures}
         return JSONResponse(body, status_code=200 if status == "ok" else 503)

@@ -59,8 +59,9 @@ class TokenEvent:
 class EngineSnapshot:
     """Engine state published by the engine thread after every step (read lock-free)."""
 
-    kv_free: int
+    kv_free: int  # free, or held only by the prefix cache (evicted on demand)
     kv_usable: int
+    kv_cached: int  # slots the prefix cache holds
     num_running: int
     num_waiting: int
     num_steps: int
@@ -289,7 +290,9 @@ class AsyncEngine:
 
     def _snapshot(self) -> EngineSnapshot:
         e = self.engine
-        return EngineSnapshot(e.allocator.num_free, e.allocator.num_usable,
+        cache = e.scheduler.cache
+        return EngineSnapshot(e.scheduler.num_available, e.allocator.num_usable,
+                              cache.num_nodes if cache is not None else 0,
                               len(e.scheduler.running), len(e.scheduler.waiting),
                               e.stats.num_steps)
 

@@ -44,6 +44,8 @@ class ServerMetrics:
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Fraction of KV slots in use",
                               registry=r)
         self.kv_free = Gauge(p + "kv_cache_free_slots", "Free KV slots", registry=r)
+        self.kv_cached = Gauge(p + "prefix_cache_slots", "KV slots the prefix cache holds",
+                               registry=r)
         self.running = Gauge(p + "num_requests_running", "Requests running", registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Requests queued", registry=r)
         self.corpus_tokens = Gauge(p + "external_corpus_tokens", "Tokens in external corpora",
@@ -82,6 +84,7 @@ class ServerMetrics:
         used = snapshot.kv_usable - snapshot.kv_free
         self.kv_usage.set(used / snapshot.kv_usable if snapshot.kv_usable else 0.0)
         self.kv_free.set(snapshot.kv_free)
+        self.kv_cached.set(snapshot.kv_cached)
         self.running.set(snapshot.num_running)
         self.waiting.set(snapshot.num_waiting)
         self.corpus_tokens.set(corpus_tokens)
