@@ -12,7 +12,7 @@ from tqdm import tqdm
 from ngramspec.config import EngineConfig
 from ngramspec.drafting.protocol import Drafter
 from ngramspec.engine.engine import LLMEngine
-from ngramspec.outputs import RequestOutput, build_output
+from ngramspec.outputs import RequestOutput, build_group_output
 from ngramspec.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -63,6 +63,11 @@ class LLM:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
+    def update_weights(self, source: str | dict[str, Any]) -> None:
+        """New weights in place (a model path or an HF-named state dict); see
+        LLMEngine.update_weights for what happens to requests in flight and to the caches."""
+        self.engine.update_weights(source)
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -75,14 +80,16 @@ class LLM:
         return request_id
 
     def _run(self, request_ids: list[str], use_tqdm: bool, on_tokens) -> list[RequestOutput]:
+        """`on_tokens` sees each choice under its own id (choice i > 0: "<request id>/i")."""
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm)
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if on_tokens is not None and out.new_token_ids:
                     on_tokens(out.seq.request_id, out.new_token_ids)
-                if out.seq.is_finished:
-                    done[out.seq.request_id] = build_output(out.seq, self.tokenizer)
+                first = out.seq.choices[0] if out.seq.choices else out.seq
+                if out.seq.is_finished and all(s.is_finished for s in first.choices or [first]):
+                    done[first.request_id] = build_group_output(first, self.tokenizer)
                     bar.update(1)
         bar.close()
         outputs = [done[r] for r in request_ids]

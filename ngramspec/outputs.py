@@ -30,10 +30,16 @@ class RequestOutput:
     extra: dict = field(default_factory=dict)
     logprobs: list[TokenLogprob] | None = None  # per output token, when params.logprobs is set
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (params.prompt_logprobs)
+    choices: list[RequestOutput] = field(default_factory=list, repr=False)  # n > 1 only
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def outputs(self) -> list[RequestOutput]:
+        """Every choice, in order (vLLM's `outputs`): n > 1 choices, or this one."""
+        return self.choices or [self]
 
 
 def output_text(seq: Sequence, tokenizer) -> str:
@@ -60,3 +66,13 @@ def build_output(seq: Sequence, tokenizer) -> RequestOutput:
     return RequestOutput(seq.request_id, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids,
                          output_text(seq, tokenizer), seq.finish_reason, metrics, logprobs=logprobs,
                          prompt_logprobs=prompt)
+
+
+def build_group_output(seq: Sequence, tokenizer) -> RequestOutput:
+    """Choice 0's output carrying every choice (n > 1), or the sequence's own (n == 1)."""
+    if not seq.choices:
+        return build_output(seq, tokenizer)
+    outputs = [build_output(s, tokenizer) for s in seq.choices]
+    first = outputs[0]
+    first.choices = outputs
+    return first

@@ -7,12 +7,16 @@ from dataclasses import dataclass, field
 from ngramspec.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # top alternatives a token may report (OpenAI's top_logprobs bound)
+MAX_N = 64  # choices per request
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 256
+    # Choices per prompt: the prompt's K/V is computed once (the prefix cache), choice i samples
+    # with seed + i when a seed is given (vLLM's rule) and speculates on its own.
+    n: int = 1
     temperature: float = 1.0  # 0 means greedy
     top_k: int = 0  # 0 or -1 disables
     top_p: float = 1.0
@@ -37,6 +41,8 @@ class SamplingParams:
         _check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool),
                "max_tokens", self.max_tokens, "must be an integer")
         _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
+        _check(isinstance(self.n, int) and not isinstance(self.n, bool) and 1 <= self.n <= MAX_N,
+               "n", self.n, f"must be an integer in [1, {MAX_N}]")
         _check(_is_number(self.temperature) and self.temperature >= 0, "temperature",
                self.temperature, "must be a number >= 0")
         _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", self.top_k,
@@ -90,3 +96,12 @@ def _is_number(x: object) -> bool:
 def _check(ok: bool, name: str, value: object, why: str) -> None:
     if not ok:
         raise ValueError(f"SamplingParams.{name}={value!r} {why}")
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index` of an n > 1 request: one choice, its own seed stream (seed + index)."""
+    fields = {name: getattr(params, name) for name in params.__slots__}
+    fields["n"] = 1
+    if params.seed is not None:
+        fields["seed"] = params.seed + index
+    return SamplingParams(**fields)

@@ -327,7 +327,13 @@ BAD_REQUESTS = [
      "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "a"}, 404, "model"),
-    ("/v1/completions", {"model": MODEL, "prompt": "a", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "n": 65}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "n": 3, "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "best_of": 2, "stream": True}, 400,
+     "best_of"),
+    ("/update_weights_from_disk", {"model_path": "/nonexistent/model.gguf"}, 400, "model_path"),
+    ("/update_weights_from_disk", {}, 400, "model_path"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 21}, 400, "logprobs"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
                               "top_logprobs": 2}, 400, "top_logprobs"),
@@ -639,6 +645,58 @@ def test_many_structured_requests_at_once_all_validate(client: openai.OpenAI) ->
     for schema, text, reason in results:
         assert reason == "stop", text
         jsonschema.validate(json.loads(text), schema)
+
+
+# ---- n > 1, best_of, weight updates, cache flush --------------------------------------------------
+
+def test_n_choices_are_seeded_and_streamed_like_the_body(client: openai.OpenAI, llm: LLM) -> None:
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    kw = dict(model=MODEL, messages=messages, n=3, temperature=1.0, seed=5, max_tokens=10)
+    resp = client.chat.completions.create(**kw)
+    texts = [c.message.content for c in resp.choices]
+    assert [c.index for c in resp.choices] == [0, 1, 2] and len(set(texts)) > 1
+    # choice i samples as the request with seed + i
+    refs = [llm.chat(messages, SamplingParams(temperature=1.0, seed=5 + i, max_tokens=10))[0]
+            for i in range(3)]
+    assert texts == [r.text for r in refs]
+    assert resp.usage.completion_tokens == sum(len(r.token_ids) for r in refs)
+    assert resp.usage.prompt_tokens == len(refs[0].prompt_token_ids)  # counted once
+    streamed: dict[int, str] = {}
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+    assert [streamed[i] for i in range(3)] == texts
+
+
+def test_best_of_returns_the_most_likely_candidate(client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL, prompt="My favourite colour is", temperature=1.0, seed=9,
+              max_tokens=6)
+    candidates = client.completions.create(n=3, logprobs=0, **kw).choices
+    scores = [sum(c.logprobs.token_logprobs) for c in candidates]
+    best = client.completions.create(n=1, best_of=3, **kw).choices
+    assert len(best) == 1 and best[0].logprobs is None
+    assert best[0].text == candidates[scores.index(max(scores))].text
+
+
+def test_flush_cache_and_update_weights_from_disk(http: httpx.Client, llm: LLM) -> None:
+    from ngramspec.models.loader import default_model_path
+
+    prompt = "The capital of France is"
+    expected = _reference(llm, prompt, **GREEDY)
+    body = {"model": MODEL, "prompt": prompt, **GREEDY}
+    assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == expected
+    assert http.get("/health").json()["kv_cached"] > 0
+    flushed = http.post("/flush_cache").json()
+    assert flushed["success"] and flushed["freed_slots"] > 0
+    assert http.get("/health").json()["kv_cached"] == 0
+    resp = http.post("/update_weights_from_disk", json={"model_path": str(default_model_path())})
+    assert resp.status_code == 200 and resp.json()["success"], resp.text
+    assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == expected
+
+
+def test_admin_routes_need_the_key(live: Server) -> None:
+    for path in ("/flush_cache", "/update_weights_from_disk"):
+        assert httpx.post(live.url + path, json={}).status_code == 401
 
 
 # ---- fuzzing ---------------------------------------------------------------------------------

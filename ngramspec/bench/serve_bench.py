@@ -8,6 +8,10 @@ time, once with speculation on and once off (the per-request `"ngram": {"enabled
 so both runs hit the same server). Reports requests/s, output tokens/s, TTFT p50/p99 and ITL
 p50/p99 (ITL = gap between streamed chunks after the first; a speculative burst is one chunk).
 
+`--multi-turn`: `--concurrency` conversations of `--turns` turns on one long system prompt, each
+turn resending the whole conversation; adds TTFT p50 by turn (run it against a server started
+with and one without `--no-prefix-cache`).
+
 `--structured`: the prompts are JSON extractions over 12 schemas (`response_format`
 json_schema), with every tenth request a `guided_regex` and every tenth a `guided_choice`; each
 output is checked (JSON parsed and validated with `jsonschema`, regex fully matched, choice one
@@ -108,8 +112,63 @@ async def _one(client: Any, url: str, headers: dict[str, str], body: dict[str, A
                          spec.get("mean_acceptance_length", 0.0), "".join(text))
 
 
+MULTI_TURN_SYSTEM = (
+    "You are the support assistant of Northwind Outfitters, an online shop for hiking and camping "
+    "gear. Policies: orders ship within two business days from the Leeds warehouse; returns are "
+    "accepted within 30 days if the item is unused and in its original packaging; refunds go to "
+    "the original payment method within five business days of the return arriving; tents and "
+    "sleeping bags carry a two-year warranty, boots one year; express shipping costs 9.50 and "
+    "arrives the next business day if ordered before 2 pm; we do not ship to PO boxes. Answer in "
+    "at most three sentences, quote order numbers exactly, and say when you do not know.")
+MULTI_TURN_QUESTIONS = [
+    "My order {n} has not shipped yet. When will it?", "Can I switch it to express shipping?",
+    "What if the boots do not fit?", "How long does the refund take?",
+    "Is the tent covered if a pole breaks?", "Please summarise what you told me.",
+]
+
+
+async def _run_multi_turn(args: argparse.Namespace, model: str, speculative: bool) -> Report:
+    """`--concurrency` conversations of `--turns` turns each, every turn resending the whole
+    conversation (as chat clients do): TTFT by turn shows what the prefix cache saves."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    url = args.url.rstrip("/") + "/v1/chat/completions"
+    by_turn: list[list[RequestResult | BaseException]] = [[] for _ in range(args.turns)]
+
+    async def conversation(client: Any, c: int) -> None:
+        messages = [{"role": "system", "content": MULTI_TURN_SYSTEM}]
+        for turn in range(args.turns):
+            question = MULTI_TURN_QUESTIONS[turn % len(MULTI_TURN_QUESTIONS)]
+            messages.append({"role": "user", "content": question.format(n=f"NW-{4400 + c}")})
+            body = {"model": model, "messages": messages, "max_tokens": args.max_tokens,
+                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+                    "ngram": {"enabled": speculative}}
+            try:
+                result: RequestResult | BaseException = await _one(client, url, headers, body)
+            except Exception as e:  # counted; the conversation ends here
+                by_turn[turn].append(e)
+                return
+            by_turn[turn].append(result)
+            messages.append({"role": "assistant", "content": result.text})
+
+    async with httpx.AsyncClient(timeout=args.timeout) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(conversation(client, c) for c in range(args.concurrency)))
+        duration = time.perf_counter() - t0
+    results = [r for turn in by_turn for r in turn]
+    report = _report("on" if speculative else "off", args.concurrency, duration, results)
+    report.extra["ttft_p50_ms_by_turn"] = [
+        float(np.percentile([r.ttft for r in turn if isinstance(r, RequestResult)] or [0.0], 50)
+              * 1000) for turn in by_turn]
+    return report
+
+
 async def _run_mode(args: argparse.Namespace, model: str, speculative: bool) -> Report:
     import httpx
+
+    if args.multi_turn:
+        return await _run_multi_turn(args, model, speculative)
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     url = args.url.rstrip("/") + "/v1/chat/completions"
@@ -217,6 +276,9 @@ def run(args: argparse.Namespace) -> int:
               f"{r.ttft_p50_ms:7.0f}ms {r.ttft_p99_ms:6.0f}ms {r.itl_p50_ms:6.0f}ms "
               f"{r.itl_p99_ms:6.0f}ms {r.mean_acceptance_length:7.2f} {r.errors:6d} "
               f"{r.invalid:7d}")
+        if "ttft_p50_ms_by_turn" in r.extra:
+            print("     TTFT p50 by turn (ms): " + "  ".join(
+                f"{ms:.0f}" for ms in r.extra["ttft_p50_ms_by_turn"]))
     return 0
 
 
@@ -241,6 +303,9 @@ def register_bench(subparsers: Any) -> None:
     p.add_argument("--modes", type=_modes, default=["on", "off"], help="on,off (default both)")
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--multi-turn", action="store_true",
+                   help="--concurrency conversations of --turns turns on a shared system prompt")
+    p.add_argument("--turns", type=int, default=6)
     p.add_argument("--structured", action="store_true",
                    help="JSON-schema, regex and choice requests, every output checked")
     p.set_defaults(func=run)

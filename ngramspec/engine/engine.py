@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -38,7 +39,7 @@ from ngramspec.models.loader import (
     load_tokenizer,
     resolve_model_dir,
 )
-from ngramspec.sampling_params import SamplingParams
+from ngramspec.sampling_params import SamplingParams, choice_params
 from ngramspec.structured.grammar import GrammarCompiler
 from ngramspec.structured.matcher import GrammarViolation, RequestGrammar, apply_bitmask
 
@@ -83,6 +84,7 @@ class LLMEngine:
         self.speculator = self._make_speculator(config, corpora, drafter)
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
+        self._deferred: list[list[Sequence]] = []  # n > 1 choices waiting for choice 0's prompt
         # The model, tokenizer and drafter leave ~400k long-lived Python objects; a full cyclic
         # collection over them takes ~180 ms here and would land inside some decode step. Freeze
         # them out of the collector (as vLLM does after start-up); later garbage is still collected.
@@ -130,7 +132,41 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     references: list[list[int]] | None = None) -> Sequence:
-        self._validate(request_id, prompt_ids, params)
+        """Queue a request; returns its sequence (for n > 1, choice 0: every choice is in
+        `.choices`, choice i under the id `choice_id(request_id, i)`)."""
+        if params.n == 1:
+            self._validate(request_id, prompt_ids, params)
+            return self._add_sequence(request_id, prompt_ids, params, references)
+        ids = [choice_id(request_id, i) for i in range(params.n)]
+        for rid in ids:
+            self._validate(rid, prompt_ids, params)
+        choices = [self._add_sequence(rid, prompt_ids, choice_params(params, i), references,
+                                      queue=i == 0) for i, rid in enumerate(ids)]
+        for seq in choices:
+            seq.choices = choices
+        if self.scheduler.cache is None:
+            for seq in choices[1:]:
+                self.scheduler.add(seq)
+        else:  # the other choices start once choice 0's prompt is cached
+            self._deferred.append(choices)
+        return choices[0]
+
+    def _add_deferred(self) -> None:
+        """Queue the other choices of requests whose choice 0 has its prompt cached (or ended):
+        they reuse its K/V and compute only the prompt's last token."""
+        waiting = []
+        for choices in self._deferred:
+            first = choices[0]
+            if first.num_cached >= first.num_prompt_tokens or first.is_finished:
+                for seq in choices[1:]:
+                    if not seq.is_finished:  # aborted meanwhile
+                        self.scheduler.add(seq)
+            else:
+                waiting.append(choices)
+        self._deferred = waiting
+
+    def _add_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      references: list[list[int]] | None, queue: bool = True) -> Sequence:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
@@ -143,7 +179,8 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.start(seq, references)
         self._seqs[request_id] = seq
-        self.scheduler.add(seq)
+        if queue:
+            self.scheduler.add(seq)
         return seq
 
     def _validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -162,18 +199,52 @@ class LLMEngine:
                              f"only {self.allocator.num_usable}; raise kv_cache_bytes")
 
     def abort_request(self, request_id: str) -> None:
-        seq = self._seqs.pop(request_id, None)
-        if seq is not None and not seq.is_finished:
-            seq.finish_reason = "abort"
-            self._finish(seq)
+        """End a request (for n > 1, the request's id ends every choice; a choice's own id,
+        that choice)."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return
+        for target in seq.choices if seq.choices and seq.choices[0] is seq else [seq]:
+            self._seqs.pop(target.request_id, None)
+            if not target.is_finished:
+                target.finish_reason = "abort"
+                self._finish(target)
+
+    def update_weights(self, source: str | os.PathLike | dict[str, torch.Tensor]) -> None:
+        """Load new weights in place, between steps: a model path (GGUF file or HF directory) or
+        an HF-named state dict, same architecture and shapes.
+
+        Requests in flight are not lost: each keeps its tokens, its K/V is recomputed under the
+        new weights, and it continues with them (so its text so far came from the old ones).
+        The prefix cache is emptied; the learned n-gram corpus is kept (it is model-free) and
+        the acceptance calibration restarts. A GGUF path under GGUF kernels keeps running on
+        its blocks; a state dict replaces them with dense weights.
+        """
+        if isinstance(source, dict):
+            state, gguf = source, None
+        else:
+            model_dir = resolve_model_dir(str(source))
+            if load_model_config(model_dir) != self.model_cfg:
+                raise ValueError(f"{source} is not the same architecture as the loaded model")
+            state = load_state_dict(model_dir)
+            gguf = self._gguf_weights(dataclasses.replace(self.config, model=str(source))) \
+                if self.config.uses_gguf_kernels else None
+        self.runner.load_weights(state, gguf)  # raises before changing anything
+        self.scheduler.recompute_all()
+        self.scheduler.flush_cache()
+        if self.speculator is not None:
+            self.speculator.restart_calibration()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or any(
+            not seq.is_finished for choices in self._deferred for seq in choices[1:])
 
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[StepOutput]:
         t0 = time.perf_counter()
+        if self._deferred:
+            self._add_deferred()
         schedule = self.scheduler.schedule()
         if not schedule:
             return []
@@ -373,6 +444,11 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.stop(seq)
         self._seqs.pop(seq.request_id, None)
+
+
+def choice_id(request_id: str, index: int) -> str:
+    """The engine's id of choice `index` of an n > 1 request (choice 0 keeps the request's)."""
+    return request_id if index == 0 else f"{request_id}/{index}"
 
 
 def _prompt_rows(chunk: ScheduledChunk) -> int:

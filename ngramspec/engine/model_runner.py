@@ -40,20 +40,11 @@ class ModelRunner:
         `kv_dtype`: the K/V cache's dtype (default: `dtype`)."""
         self.device, self.dtype = device, dtype
         self.model_cfg = model_cfg
-        with torch.device(device):
-            model = LlamaForCausalLM(model_cfg, max_positions=max_model_len + 64)
-        model.load_hf_state_dict(state)
-        self.model = model.to(dtype=dtype).eval()
-        self.model.rope.to(torch.float32)  # keep cos/sin exact; they are cast per use
-        if gguf_weights:
-            self.model.use_gguf_weights(gguf_weights)
+        self.max_model_len = max_model_len
         # The CPU kernel reads K/V in place and is batch-invariant; SDPA stays for CUDA.
         self.paged = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
                       and kernels_available())
-        if self.paged:
-            self.model.attention = PagedAttention()
-            self.model.use_cpu_kernels(cpu_kernels())
-        pack_linears(self.model)
+        self.model = self._build(state, gguf_weights)
         kv_dtype = kv_dtype or dtype
         if kv_dtype != dtype and not self.paged:
             raise ValueError(f"a {kv_dtype} KV cache under {dtype} activations needs the CPU "
@@ -61,6 +52,32 @@ class ModelRunner:
         self.cache = KVCache(model_cfg.num_layers, num_slots, model_cfg.num_kv_heads,
                              model_cfg.head_dim, kv_dtype, device)
         self._causal: dict[int, torch.Tensor] = {}
+
+    def _build(self, state: dict[str, torch.Tensor], gguf_weights: dict | None
+               ) -> LlamaForCausalLM:
+        with torch.device(self.device):
+            model = LlamaForCausalLM(self.model_cfg, max_positions=self.max_model_len + 64)
+        model.load_hf_state_dict(state)
+        model = model.to(dtype=self.dtype).eval()
+        model.rope.to(torch.float32)  # keep cos/sin exact; they are cast per use
+        if gguf_weights:
+            model.use_gguf_weights(gguf_weights)
+        if self.paged:
+            model.attention = PagedAttention()
+            model.use_cpu_kernels(cpu_kernels())
+        pack_linears(model)
+        return model
+
+    def load_weights(self, state: dict[str, torch.Tensor], gguf_weights: dict | None = None
+                     ) -> None:
+        """Replace every weight (same architecture and shapes; ValueError otherwise). The K/V
+        cache stays allocated; what it holds was computed by the old weights (the caller
+        drops it)."""
+        try:
+            model = self._build(state, gguf_weights)
+        except (KeyError, RuntimeError) as e:  # a missing matrix, or shapes that differ
+            raise ValueError(f"the new weights do not fit this model: {e}") from e
+        self.model = model
 
     @torch.inference_mode()
     def run(self, items: list[ForwardItem]) -> torch.Tensor:

@@ -237,6 +237,15 @@ class Scheduler:
             self.cache.unlock(seq.cache_node)
         seq.slots, seq.cache_node, seq.num_shared = [], None, 0
 
+    def recompute_all(self) -> None:
+        """Every running request gives up its K/V (not cached: it is about to be stale) and
+        waits, in its order, ahead of the queue; its tokens stay and are recomputed."""
+        for seq in reversed(list(self.running)):
+            self._drop_slots(seq)
+            seq.status = Status.WAITING
+            self.running.remove(seq)
+            self.waiting.appendleft(seq)
+
     def flush_cache(self) -> int:
         """Evict every cached prefix no running request uses; how many slots were freed."""
         if self.cache is None:

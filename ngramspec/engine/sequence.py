@@ -66,6 +66,8 @@ class Sequence:
     # the rest are the sequence's own.
     cache_node: Node | None = None
     num_shared: int = 0
+    # n > 1: every choice of the request, this one included, in choice order (empty: n == 1)
+    choices: list[Sequence] = field(default_factory=list, repr=False)
 
     @property
     def num_tokens(self) -> int:

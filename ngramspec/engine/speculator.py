@@ -30,6 +30,15 @@ class Speculator:
         self.guard = ThroughputGuard() if cost is not None and learn_step_times else None
         self._predicted: tuple[float, float] | None = None  # (base, step) seconds of this step
 
+    def restart_calibration(self) -> None:
+        """New weights: what was learned about acceptance no longer holds (the drafter's
+        n-gram statistics, which are model-free, stay)."""
+        self.calibrator = PathProbCalibrator()
+        self.per_request = RequestAcceptance()
+        self._expected.clear()
+        if self.guard is not None:
+            self.guard = ThroughputGuard()
+
     def start(self, seq: Sequence, references: list[list[int]] | None) -> None:
         self.drafter.start(seq.request_id, seq.token_ids, references)
 

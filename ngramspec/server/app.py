@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ngramspec.server import completions, corpus_routes, learned
+from ngramspec.server import admin_routes, completions, corpus_routes, learned
 from ngramspec.server.protocol import ApiError
 from ngramspec.server.security import ApiKeyMiddleware, BodyLimitMiddleware
 from ngramspec.server.state import ServerState
@@ -26,7 +26,7 @@ from ngramspec.server.state import ServerState
 log = logging.getLogger("ngramspec.server")
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
           "/v1/corpora", "/v1/learned", "/v1/learned/save", "/v1/learned/restore",
-          "/v1/learned/flush")
+          "/v1/learned/flush", "/update_weights_from_disk", "/flush_cache")
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -34,6 +34,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.server = state
     app.include_router(completions.router)
     app.include_router(corpus_routes.router)
+    app.include_router(admin_routes.router)
     _add_basic_routes(app)
     _add_error_handlers(app)
     # Added last = outermost: count every request, check the key before buffering a body.

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ngramspec.engine.engine import LLMEngine, StepOutput
+from ngramspec.engine.engine import LLMEngine, StepOutput, choice_id
 from ngramspec.engine.logprobs import TokenLogprob
 from ngramspec.engine.sequence import Sequence
 from ngramspec.sampling_params import SamplingParams
@@ -128,20 +128,28 @@ class AsyncEngine:
                   references: list[list[int]] | None = None) -> RequestStream:
         """Admit a request; raises what LLMEngine.add_request raises (ValueError: bad input).
         The caller must `close()` the stream when done with it (aborts an unfinished request)."""
+        return (await self.add_choices(request_id, prompt_ids, params, references))[0]
+
+    async def add_choices(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                          references: list[list[int]] | None = None) -> list[RequestStream]:
+        """`add` for n >= 1 choices: one stream per choice, in choice order."""
         if not self.accepting or not self.running:
             raise EngineStopped("the server is shutting down")
-        if request_id in self._streams:
+        ids = [choice_id(request_id, i) for i in range(params.n)]
+        if any(rid in self._streams for rid in ids):
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(request_id, asyncio.Queue(), self.abort)
-        self._streams[request_id] = stream.queue
+        streams = [RequestStream(rid, asyncio.Queue(), self.abort) for rid in ids]
+        for stream in streams:
+            self._streams[stream.request_id] = stream.queue
         try:
             await self._send("add", (request_id, prompt_ids, params, references))
         except BaseException:
             # Failed, or cancelled while the engine thread may have added it: abort is a no-op
             # for an unknown id, so always send it.
-            stream.close()
+            for stream in streams:
+                stream.close()
             raise
-        return stream
+        return streams
 
     def abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

@@ -63,6 +63,8 @@ class Generation:
     prompt_logprobs: list = field(default_factory=list)  # echo's prompt tokens 1..
     tools: ToolCallParser | None = None  # chat with tools: splits the text into content + calls
     tool_mode: str = "none"  # "auto", "required", "named" or "none"
+    index: int = 0  # the choice this generation answers (n > 1)
+    spec: SpecStats | None = None  # its speculation counters, once finished
 
     def logprobs_body(self, entries: list, prompt: list | None = None) -> dict[str, Any] | None:
         """`prompt`: echo's prompt-token entries, listed before `entries` (the first response
@@ -152,23 +154,46 @@ async def _respond(request: Request, state: ServerState, req: Any, prompt_ids: l
     if req.ngram is not None and req.ngram.references:
         encoded = [await state.encoder.encode(r) for r in req.ngram.references]
         references = [ids for ids in encoded if ids] or None
-    gen = await _admit(state, req, kind, prompt_ids, params, references, arrival)
-    if tool_mode != "none":
-        gen.tools, gen.tool_mode = ToolCallParser(tool_names or set()), tool_mode
-    if getattr(req, "echo", False):
-        prompt = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and \
-            isinstance(req.prompt[0], (str, list)) else req.prompt
-        gen.echo = prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt_ids)
-        gen.echo_first_id = prompt_ids[0]
+    gens = await _admit(state, req, kind, prompt_ids, params, references, arrival)
+    for gen in gens:
+        if tool_mode != "none":
+            gen.tools, gen.tool_mode = ToolCallParser(tool_names or set()), tool_mode
+        if getattr(req, "echo", False):
+            prompt = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and \
+                isinstance(req.prompt[0], (str, list)) else req.prompt
+            gen.echo = prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt_ids)
+            gen.echo_first_id = prompt_ids[0]
+
+    def close() -> None:
+        for gen in gens:
+            gen.stream.close()
+
     if req.stream:
-        return EventStreamResponse(_sse_events(state, gen), on_close=gen.stream.close)
+        return EventStreamResponse(_sse_events(state, gens), on_close=close)
     try:
-        body = await _until_done_or_disconnect(request, _collect(state, gen))
+        choices = await _until_done_or_disconnect(
+            request, asyncio.gather(*(_collect(state, gen) for gen in gens)))
     finally:
-        gen.stream.close()
-    if body is None:  # the client left; nobody reads this
+        close()
+    if choices is None:  # the client left; nobody reads this
         return Response(status_code=499)
-    return JSONResponse(body)
+    if len(choices) > req.n:  # best_of: the n most likely candidates, best first
+        choices = best_choices(gens, choices, req.n, keep_logprobs=req.logprobs is not None)
+    return JSONResponse(_full_body(gens, choices))
+
+
+def best_choices(gens: list[Generation], choices: list[dict[str, Any]], n: int,
+                 keep_logprobs: bool) -> list[dict[str, Any]]:
+    """The n candidates with the highest total log-probability (OpenAI's best_of), re-indexed."""
+    score = [sum(e.logprob for e in gen.logprobs) for gen in gens]
+    best = sorted(range(len(choices)), key=lambda i: -score[i])[:n]
+    out = []
+    for rank, i in enumerate(best):
+        choice = {**choices[i], "index": rank}
+        if not keep_logprobs:
+            choice["logprobs"] = None
+        out.append(choice)
+    return out
 
 
 async def _compile(state: ServerState, spec: StructuredOutputsParams, param: str) -> None:
@@ -194,25 +219,28 @@ def _structured_param(req: Any) -> str:
 
 
 async def _admit(state: ServerState, req: Any, kind: str, prompt_ids: list[int], params: Any,
-                 references: list[list[int]] | None, arrival: float) -> Generation:
+                 references: list[list[int]] | None, arrival: float) -> list[Generation]:
     if state.engine.num_in_flight >= state.settings.max_in_flight:
         raise ApiError(429, f"too many requests in flight ({state.settings.max_in_flight})",
                        type="rate_limit_error", code="overloaded")
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     try:
-        stream = await state.engine.add(request_id, prompt_ids, params, references)
+        streams = await state.engine.add_choices(request_id, prompt_ids, params, references)
     except EngineStopped as e:
         raise ApiError(503, str(e), type="server_error", code="shutting_down") from e
     except ValueError as e:  # the engine's own checks: prompt vs context, KV capacity
         raise bad_request(str(e), "messages" if kind == "chat" else "prompt") from e
     state.metrics.prompt_tokens.inc(len(prompt_ids))
-    gen = Generation(kind, request_id, state.model_name, int(time.time()), len(prompt_ids),
-                     stream, TextAssembler(state.tokenizer, params.stop), req.include_usage,
-                     arrival)
-    if params.logprobs is not None:
-        gen.num_top_logprobs, gen.token_text = params.logprobs, TokenText(state.tokenizer)
-    return gen
+    gens = []
+    for index, stream in enumerate(streams):
+        gen = Generation(kind, request_id, state.model_name, int(time.time()), len(prompt_ids),
+                         stream, TextAssembler(state.tokenizer, params.stop), req.include_usage,
+                         arrival, index=index)
+        if params.logprobs is not None:
+            gen.num_top_logprobs, gen.token_text = params.logprobs, TokenText(state.tokenizer)
+        gens.append(gen)
+    return gens
 
 
 # ---- consuming events -----------------------------------------------------------------------
@@ -254,8 +282,9 @@ async def _collect(state: ServerState, gen: Generation) -> dict[str, Any]:
         _finish(state, gen, event)
         if event.error is not None:
             raise ApiError(503, event.error, type="server_error", code="aborted")
-        return _full_body(gen, (gen.echo or "") + gen.text.finish(event.token_ids,
-                                                                  event.stop_text_len), event)
+        gen.spec = event.spec
+        return _choice_body(gen, (gen.echo or "") + gen.text.finish(event.token_ids,
+                                                                    event.stop_text_len), event)
     raise AssertionError("the event stream ended without a final event")
 
 
@@ -279,13 +308,25 @@ async def _disconnected(request: Request) -> None:
 
 # ---- bodies ---------------------------------------------------------------------------------
 
-def usage(gen: Generation) -> dict[str, int]:
-    return {"prompt_tokens": gen.num_prompt_tokens, "completion_tokens": gen.num_output_tokens,
-            "total_tokens": gen.num_prompt_tokens + gen.num_output_tokens}
+def usage(gens: list[Generation]) -> dict[str, int]:
+    """The prompt once (its K/V is shared by the choices), every choice's completion."""
+    completion = sum(g.num_output_tokens for g in gens)
+    return {"prompt_tokens": gens[0].num_prompt_tokens, "completion_tokens": completion,
+            "total_tokens": gens[0].num_prompt_tokens + completion}
 
 
-def speculation(spec: SpecStats | None) -> dict[str, Any]:
-    return asdict(spec or SpecStats())
+def speculation(specs: list[SpecStats | None]) -> dict[str, Any]:
+    """Every choice's verify counters summed."""
+    total = SpecStats()
+    for spec in specs:
+        if spec is not None:
+            total.verify_steps += spec.verify_steps
+            total.draft_tokens += spec.draft_tokens
+            total.accepted_tokens += spec.accepted_tokens
+            total.mean_acceptance_length += spec.mean_acceptance_length * spec.verify_steps
+    if total.verify_steps:
+        total.mean_acceptance_length /= total.verify_steps
+    return asdict(total)
 
 
 def _finish_reason(gen: Generation, reason: str | None, has_calls: bool) -> str | None:
@@ -295,7 +336,15 @@ def _finish_reason(gen: Generation, reason: str | None, has_calls: bool) -> str 
     return reason
 
 
-def _full_body(gen: Generation, text: str, event: TokenEvent) -> dict[str, Any]:
+def _full_body(gens: list[Generation], choices: list[dict[str, Any]]) -> dict[str, Any]:
+    gen = gens[0]
+    obj = "chat.completion" if gen.kind == "chat" else "text_completion"
+    return {"id": gen.request_id, "object": obj, "created": gen.created, "model": gen.model,
+            "choices": choices, "usage": usage(gens),
+            "speculation": speculation([g.spec for g in gens])}
+
+
+def _choice_body(gen: Generation, text: str, event: TokenEvent) -> dict[str, Any]:
     if gen.kind == "chat":
         message: dict[str, Any] = {"role": "assistant", "content": text}
         reason = event.finish_reason
@@ -307,16 +356,11 @@ def _full_body(gen: Generation, text: str, event: TokenEvent) -> dict[str, Any]:
             if calls + more:
                 message["tool_calls"] = [c.body() for c in calls + more]
             reason = _finish_reason(gen, reason, bool(calls + more))
-        choice = {"index": 0, "message": message,
-                  "logprobs": gen.logprobs_body(gen.logprobs), "finish_reason": reason}
-        obj = "chat.completion"
-    else:
-        prompt = gen.prompt_logprobs if gen.echo is not None else None
-        choice = {"index": 0, "text": text, "logprobs": gen.logprobs_body(gen.logprobs, prompt),
-                  "finish_reason": event.finish_reason}
-        obj = "text_completion"
-    return {"id": gen.request_id, "object": obj, "created": gen.created, "model": gen.model,
-            "choices": [choice], "usage": usage(gen), "speculation": speculation(event.spec)}
+        return {"index": gen.index, "message": message,
+                "logprobs": gen.logprobs_body(gen.logprobs), "finish_reason": reason}
+    prompt = gen.prompt_logprobs if gen.echo is not None else None
+    return {"index": gen.index, "text": text, "logprobs": gen.logprobs_body(gen.logprobs, prompt),
+            "finish_reason": event.finish_reason}
 
 
 def _chunk(gen: Generation, text: str | None, finish_reason: str | None = None,
@@ -329,10 +373,11 @@ def _chunk(gen: Generation, text: str | None, finish_reason: str | None = None,
         if calls:
             first = len(gen.tools.calls) - len(calls) if gen.tools is not None else 0
             delta["tool_calls"] = [c.body(first + i) for i, c in enumerate(calls)]
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": gen.index, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs,
+        choice = {"index": gen.index, "text": text or "", "logprobs": logprobs,
                   "finish_reason": finish_reason}
         obj = "text_completion"
     return {"id": gen.request_id, "object": obj, "created": gen.created, "model": gen.model,
@@ -344,11 +389,43 @@ def _sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
-async def _sse_events(state: ServerState, gen: Generation) -> AsyncIterator[bytes]:
+async def _sse_events(state: ServerState, gens: list[Generation]) -> AsyncIterator[bytes]:
+    """Every choice's chunks as they come (interleaved for n > 1), then usage and [DONE]."""
+    queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+
+    async def pump(gen: Generation) -> None:
+        try:
+            async for chunk in _choice_chunks(state, gen):
+                await queue.put(chunk)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(gen)) for gen in gens]
+    try:
+        running, failed = len(tasks), False
+        while running:
+            chunk = await queue.get()
+            if chunk is None:
+                running -= 1
+                continue
+            yield _sse(chunk)
+            if "error" in chunk:
+                failed = True
+                break
+        if not failed and gens[0].include_usage:
+            yield _sse({**_chunk(gens[0], None), "choices": [], "usage": usage(gens)})
+    finally:
+        for task in tasks:
+            task.cancel()
+    yield _sse("[DONE]")
+
+
+async def _choice_chunks(state: ServerState, gen: Generation) -> AsyncIterator[dict[str, Any]]:
+    """One choice's stream chunks (an OpenAI error body instead, if its request failed)."""
     if gen.kind == "chat":
-        yield _sse(_chunk(gen, "", role=True))
+        yield _chunk(gen, "", role=True)
     if gen.echo:
-        yield _sse(_chunk(gen, gen.echo))
+        yield _chunk(gen, gen.echo)
     async for event in gen.stream.events():
         _observe(state, gen, event)
         prompt = event.prompt_logprobs if gen.echo is not None else None
@@ -360,14 +437,13 @@ async def _sse_events(state: ServerState, gen: Generation) -> AsyncIterator[byte
             # a chunk per step that has text or logprobs (a token's text may come a step later)
             logprobs = gen.logprobs_body(event.logprobs, prompt) if event.logprobs else None
             if delta or calls or logprobs is not None:
-                yield _sse(_chunk(gen, delta if delta or not calls else None, logprobs=logprobs,
-                                  calls=calls))
+                yield _chunk(gen, delta if delta or not calls else None, logprobs=logprobs,
+                             calls=calls)
             continue
         _finish(state, gen, event)
         if event.error is not None:
-            error = ApiError(503, event.error, type="server_error", code="aborted")
-            yield _sse(error.body())
-            break
+            yield ApiError(503, event.error, type="server_error", code="aborted").body()
+            return
         text = gen.text.finish(event.token_ids, event.stop_text_len)
         reason, calls = event.finish_reason, []
         if gen.tools is not None:
@@ -378,11 +454,8 @@ async def _sse_events(state: ServerState, gen: Generation) -> AsyncIterator[byte
         last = _chunk(gen, text if text or not calls else None, reason,
                       logprobs=gen.logprobs_body(event.logprobs, prompt) if event.logprobs else None,
                       calls=calls)
-        last["speculation"] = speculation(event.spec)
-        yield _sse(last)
-        if gen.include_usage:
-            yield _sse({**_chunk(gen, None), "choices": [], "usage": usage(gen)})
-    yield _sse("[DONE]")
+        last["speculation"] = speculation([event.spec])
+        yield last
 
 
 class EventStreamResponse(StreamingResponse):

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ngramspec.sampling_params import MAX_LOGPROBS, SamplingParams
+from ngramspec.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 from ngramspec.structured.params import StructuredOutputsParams
 
 MAX_STOP_STRINGS = 16
@@ -102,7 +102,7 @@ class _GenerationRequest(_Strict):
     top_p: float = 1.0
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     stream: bool = False
@@ -179,6 +179,18 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False  # the prompt is returned before the completion (with its logprobs)
+    # best_of candidates are generated; the n with the highest log-probability are returned
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+    @property
+    def num_candidates(self) -> int:
+        if self.best_of is None:
+            return self.n
+        if self.best_of < self.n:
+            raise bad_request(f"best_of ({self.best_of}) must be >= n ({self.n})", "best_of")
+        if self.stream and self.best_of > self.n:
+            raise bad_request("best_of > n cannot be streamed", "best_of")
+        return self.best_of
 
     @property
     def requested_prompt_logprobs(self) -> int | None:
@@ -319,8 +331,6 @@ def _nothing(value: Any) -> bool:
 
 # Fields OpenAI defines that we cannot honour, and which of their values ask for nothing.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "n": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v == 1),
-    "best_of": lambda v: v is None or v == 1,
     "suffix": _nothing,
     "logit_bias": _nothing,
     "functions": _nothing,  # the deprecated form of tools
@@ -404,16 +414,25 @@ def sampling_params(req: _GenerationRequest, num_prompt_tokens: int, max_model_l
     temperature = 0.0 if req.temperature < MIN_TEMPERATURE else req.temperature
     try:
         return SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, top_k=req.top_k, top_p=req.top_p,
+            max_tokens=max_tokens, n=getattr(req, "num_candidates", req.n),
+            temperature=temperature, top_k=req.top_k, top_p=req.top_p,
             min_p=req.min_p, seed=req.seed, stop=stop, ignore_eos=req.ignore_eos,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty,
             speculative=req.ngram is None or req.ngram.enabled,
-            logprobs=req.requested_logprobs, logprobs_mode=req.logprobs_mode,
+            logprobs=_logprobs_for(req), logprobs_mode=req.logprobs_mode,
             prompt_logprobs=getattr(req, "requested_prompt_logprobs", None),
             structured_outputs=structured)
     except ValueError as e:
         raise bad_request(str(e).removeprefix("SamplingParams."), _param_of(str(e), param)) from e
+
+
+def _logprobs_for(req: _GenerationRequest) -> int | None:
+    """The request's logprobs, or 0 when best_of ranks candidates by their log-probability."""
+    asked = req.requested_logprobs
+    if asked is None and getattr(req, "num_candidates", req.n) > req.n:
+        return 0
+    return asked
 
 
 def _param_of(message: str, max_tokens_param: str) -> str | None:

@@ -31,14 +31,15 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 
 class ApiKeyMiddleware:
-    """Every /v1 route needs `Authorization: Bearer <key>`; /health and /metrics stay open."""
+    """Every route but /health and /metrics (the /v1 API and the admin routes such as
+    /update_weights_from_disk) needs `Authorization: Bearer <key>`."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
         self.expected = b"Bearer " + api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and _is_v1(scope.get("path", "")):
+        if scope["type"] == "http" and scope.get("path", "") not in OPEN_PATHS:
             given = _header(scope, b"authorization") or b""
             # compare_digest: the time taken does not reveal how much of the key matched.
             if not hmac.compare_digest(given, self.expected):
@@ -50,8 +51,7 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def _is_v1(path: str) -> bool:
-    return path == "/v1" or path.startswith("/v1/")
+OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers carry no key
 
 
 class BodyLimitMiddleware:
