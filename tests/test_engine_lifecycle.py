@@ -15,7 +15,7 @@ from test_engine_speculation import (
     _tiny_llm,
 )
 
-from ngramspec import LLM, SamplingParams
+from ngramspec import SamplingParams
 from ngramspec.models.loader import load_state_dict
 
 

@@ -694,6 +694,31 @@ def test_flush_cache_and_update_weights_from_disk(http: httpx.Client, llm: LLM) 
     assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == expected
 
 
+def test_weight_update_under_load_fails_no_request(live: Server, http: httpx.Client) -> None:
+    """Requests in flight during an update finish normally (their K/V recomputed)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ngramspec.models.loader import default_model_path
+
+    def one(i: int) -> tuple[int, str | None]:
+        with httpx.Client(base_url=live.url, timeout=300,
+                          headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+            r = c.post("/v1/completions", json={"model": MODEL, "prompt": f"Story {i}:",
+                                                "max_tokens": 40, "temperature": 0,
+                                                "ignore_eos": True})
+            return r.status_code, r.json()["choices"][0]["finish_reason"] if r.is_success \
+                else None
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, i) for i in range(8)]
+        time.sleep(1.0)
+        update = http.post("/update_weights_from_disk",
+                           json={"model_path": str(default_model_path())})
+        results = [f.result() for f in futures]
+    assert update.status_code == 200, update.text
+    assert results == [(200, "length")] * 8
+
+
 def test_admin_routes_need_the_key(live: Server) -> None:
     for path in ("/flush_cache", "/update_weights_from_disk"):
         assert httpx.post(live.url + path, json={}).status_code == 401
@@ -722,7 +747,7 @@ _COMMON = {
     "stop": _mostly(st.one_of(st.text(min_size=1, max_size=4),
                               st.lists(st.text(min_size=1, max_size=4), max_size=4))),
     "seed": _mostly(st.integers(-2**63, 2**63 - 1)),
-    "n": _mostly(st.just(1)),
+    "n": _mostly(st.integers(1, 3)),
     "presence_penalty": _mostly(st.floats(-2, 2)),
     "frequency_penalty": _mostly(st.floats(-2, 2)),
     "repetition_penalty": _mostly(st.floats(0.5, 2)),
