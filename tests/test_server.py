@@ -304,6 +304,9 @@ ADD = {"type": "function", "function": {
                    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                    "required": ["a", "b"]}}}
 
+DEEP_SCHEMA: dict = {"type": "integer"}
+for _ in range(200):
+    DEEP_SCHEMA = {"type": "object", "properties": {"a": DEEP_SCHEMA}, "required": ["a"]}
 BAD_REQUESTS = [
     # (route, raw body or JSON, status, param the error names)
     ("/v1/completions", b"{not json", 400, None),
@@ -369,6 +372,8 @@ BAD_REQUESTS = [
      400, "structured_outputs.regexp"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "guided_json": {
         "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}, 400, "guided_json"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "guided_json": DEEP_SCHEMA}, 400,
+     "guided_json"),  # pathological: nested 200 deep
     ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "ngram": {"refrence": "x"}}, 400,
@@ -801,7 +806,7 @@ def test_fuzzed_bodies_never_break_the_server(http: httpx.Client) -> None:
         elif body.get("stream") is True:
             assert resp.text.rstrip().endswith("data: [DONE]")
         else:
-            assert len(resp.json()["choices"]) == 1
+            assert len(resp.json()["choices"]) == (body.get("n") or 1)
 
     check()
     print(f"\nfuzz: {len(seen)} cases, status counts "

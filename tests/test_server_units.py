@@ -378,3 +378,30 @@ def test_async_engine_close_aborts_and_a_failed_step_fails_every_request() -> No
     running, error, failures, num_running = _drive(_ScriptedEngine(fail_for="doomed"), scenario)
     assert running == []
     assert error == "internal error in the engine" and failures == 1 and num_running == 0
+
+
+def test_slow_grammar_compile_is_a_400_and_leaves_the_loop_free() -> None:
+    """The wall-time bound: a compile slower than grammar_compile_timeout answers 400."""
+    import threading
+    from types import SimpleNamespace
+
+    from ngramspec.server.completions import _compile
+    from ngramspec.structured.params import StructuredOutputsParams
+
+    release = threading.Event()
+
+    def slow_compile(spec):
+        release.wait(5)
+
+    grammars = SimpleNamespace(compile=slow_compile)
+    state = SimpleNamespace(engine=SimpleNamespace(engine=SimpleNamespace(grammars=grammars)),
+                            settings=SimpleNamespace(grammar_compile_timeout=0.05))
+
+    async def main() -> None:
+        with pytest.raises(ApiError) as e:
+            await _compile(state, StructuredOutputsParams(regex="a"), "guided_regex")
+        release.set()
+        assert e.value.status == 400 and e.value.code == "grammar_too_complex"
+        assert e.value.param == "guided_regex"
+
+    asyncio.run(main())
