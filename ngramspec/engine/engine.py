@@ -305,7 +305,7 @@ class LLMEngine:
         for chunk in schedule.chunks:
             row += _prompt_rows(chunk)
             if chunk.samples:
-                tree = trees.get(chunk.seq.seq_id) or DraftTree.root_only(chunk.seq.token_ids[-1])
+                tree = _verified_tree(chunk, trees)
                 spans[chunk.seq.seq_id] = (row, tree)
                 row += len(tree)
         failed = self._apply_grammars(spans, masks, logits)
@@ -345,9 +345,8 @@ class LLMEngine:
             seq = chunk.seq
             if seq.grammar is None or not chunk.samples:
                 continue
-            tree = trees.get(seq.seq_id) or DraftTree.root_only(seq.token_ids[-1])
             try:
-                masks[seq.seq_id] = seq.grammar.bitmasks(tree)
+                masks[seq.seq_id] = seq.grammar.bitmasks(_verified_tree(chunk, trees))
             except GrammarViolation as e:
                 masks[seq.seq_id] = e
         self.stats.grammar_mask_time += time.perf_counter() - t0
@@ -444,6 +443,11 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.stop(seq)
         self._seqs.pop(seq.request_id, None)
+
+
+def _verified_tree(chunk: ScheduledChunk, trees: dict[int, DraftTree]) -> DraftTree:
+    """The rows a sampling chunk verifies: its draft tree, or its last token alone."""
+    return trees.get(chunk.seq.seq_id) or DraftTree.root_only(chunk.seq.token_ids[-1])
 
 
 def choice_id(request_id: str, index: int) -> str:

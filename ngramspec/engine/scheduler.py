@@ -122,7 +122,7 @@ class Scheduler:
     def _reuse_prefix(self, seq: Sequence) -> None:
         """Start `seq` from the longest cached prefix of its tokens (at least its last token is
         computed: it yields the next one). Prompt logprobs need every prompt row: no reuse."""
-        if self.cache is None or seq.params.prompt_logprobs is not None:
+        if not self._caches(seq):
             return
         seq.cache_node, seq.slots = self.cache.match(seq.token_ids[: seq.num_tokens - 1])
         seq.num_shared = len(seq.slots)
@@ -201,6 +201,10 @@ class Scheduler:
         (from whatever prefix the cache still holds then: its K/V go to the cache as the least
         likely to be evicted, since they were used last)."""
         self._cache_slots(seq)
+        self._requeue(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Give up the K/V and wait at the front of the queue (the tokens stay)."""
         self._drop_slots(seq)
         seq.status = Status.WAITING
         self.running.remove(seq)
@@ -222,13 +226,17 @@ class Scheduler:
 
     def _cache_slots(self, seq: Sequence) -> None:
         """Hand the sequence's committed slots past its shared prefix to the cache."""
-        if self.cache is None or seq.params.prompt_logprobs is not None:
+        if not self._caches(seq):
             return
         node = seq.cache_node or self.cache.root
         first = seq.num_shared
         seq.cache_node, taken = self.cache.insert(
             node, seq.token_ids[first : len(seq.slots)], seq.slots[first:])
         seq.num_shared += taken
+
+    def _caches(self, seq: Sequence) -> bool:
+        """Whether `seq` shares through the cache (prompt logprobs need every prompt row)."""
+        return self.cache is not None and seq.params.prompt_logprobs is None
 
     def _drop_slots(self, seq: Sequence) -> None:
         """Free the sequence's own slots and unlock its shared prefix."""
@@ -241,10 +249,7 @@ class Scheduler:
         """Every running request gives up its K/V (not cached: it is about to be stale) and
         waits, in its order, ahead of the queue; its tokens stay and are recomputed."""
         for seq in reversed(list(self.running)):
-            self._drop_slots(seq)
-            seq.status = Status.WAITING
-            self.running.remove(seq)
-            self.waiting.appendleft(seq)
+            self._requeue(seq)
 
     def flush_cache(self) -> int:
         """Evict every cached prefix no running request uses; how many slots were freed."""

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from llguidance import LLMatcher
@@ -53,25 +55,7 @@ class RequestGrammar:
         forced = self.forced_tokens()
         if forced:
             tree = graft_forced(tree, forced)
-        keep = [True] * len(tree)
-        children = tree.children()
-
-        def visit(node: int) -> None:
-            for child in children[node]:
-                token = tree.token_ids[child]
-                if token in self.eos_token_ids:  # ends the request: a leaf, where allowed
-                    for grandchild in children[child]:
-                        _drop_subtree(grandchild, children, keep)
-                    if not self.eos_allowed():
-                        keep[child] = False
-                elif self.matcher.try_consume_tokens([token]) == 1:
-                    visit(child)
-                    self.matcher.rollback(1)
-                else:
-                    _drop_subtree(child, children, keep)
-
-        visit(0)
-        return keep_nodes(tree, keep)
+        return keep_nodes(tree, self._walk(tree, lambda node: None))
 
     def eos_allowed(self) -> bool:
         """EOS may come next: the grammar is complete but could also go on (a finished
@@ -83,22 +67,34 @@ class RequestGrammar:
         accepted path) keep an all-zero row."""
         # -> [len(tree), num_words] int32, bit t of word w allows token 32 w + t
         masks = torch.zeros(len(tree), self.num_words, dtype=torch.int32)
-        children = tree.children()
         row_bytes = self.num_words * 4
+        self._walk(tree, lambda node: self.matcher.unsafe_compute_mask_ptr(
+            masks[node].data_ptr(), row_bytes))
+        if self.matcher.is_error():
+            raise GrammarViolation(f"the grammar failed: {self.matcher.get_error()[:200]}")
+        return masks
+
+    def _walk(self, tree: DraftTree, at_node: Callable[[int], None]) -> list[bool]:
+        """Depth-first over the nodes whose path the grammar allows, calling `at_node(i)` with
+        the matcher at node i (it consumes the path, then rolls back). An EOS node is never
+        entered: it is allowed, as a leaf, where the grammar may end. Returns which nodes are
+        allowed."""
+        allowed = [False] * len(tree)
+        children = tree.children()
 
         def visit(node: int) -> None:
-            self.matcher.unsafe_compute_mask_ptr(masks[node].data_ptr(), row_bytes)
+            allowed[node] = True
+            at_node(node)
             for child in children[node]:
                 token = tree.token_ids[child]
-                if token not in self.eos_token_ids and \
-                        self.matcher.try_consume_tokens([token]) == 1:
+                if token in self.eos_token_ids:
+                    allowed[child] = self.eos_allowed()
+                elif self.matcher.try_consume_tokens([token]) == 1:
                     visit(child)
                     self.matcher.rollback(1)
 
         visit(0)
-        if self.matcher.is_error():
-            raise GrammarViolation(f"the grammar failed: {self.matcher.get_error()[:200]}")
-        return masks
+        return allowed
 
 
 def graft_forced(tree: DraftTree, forced: list[int]) -> DraftTree:
@@ -143,20 +139,12 @@ def keep_nodes(tree: DraftTree, keep: list[bool]) -> DraftTree:
     return DraftTree(token_ids, parents, probs, sources)
 
 
-def _drop_subtree(node: int, children: list[list[int]], keep: list[bool]) -> None:
-    stack = [node]
-    while stack:
-        i = stack.pop()
-        keep[i] = False
-        stack.extend(children[i])
-
-
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
                   eos_token_ids: tuple[int, ...]) -> None:
     """Forbidden tokens' logits to -inf, in place. A row that allows nothing (a grammar that
     failed) allows EOS instead, so no row is all -inf (which would sample NaN)."""
     # logits: [n, V] float; bitmask: [n, W] int32 on the CPU, bit t of word w = token 32 w + t
-    n, vocab = logits.shape
+    vocab = logits.shape[1]
     words = bitmask.numpy().view(np.uint32).copy()
     for row in np.flatnonzero(~words.any(axis=1)):
         for eos in eos_token_ids:
