@@ -136,6 +136,35 @@ def test_calibration_raises_estimates_when_drafts_are_accepted(backend: str):
 
 
 @backends
+def test_a_unique_match_is_calibrated_apart_from_a_shared_one(backend: str):
+    """One earlier occurrence of a long suffix (raw 1/2) and a split between several (raw 1/3
+    each here) learn separate factors: copying a unique 200-token prompt teaches the unique
+    class, and a later request whose 16-token suffix occurred twice still gets its untrained
+    estimate. With one class per (source, length) it would inherit the copy's raised factor.
+    Prompts stay out of the trie so that the second tree's estimates are the context's alone."""
+    drafter = new_drafter(backend, insert_prompt=False)
+    unique = list(range(1000, 1200))
+    drafter.start("copy", unique)
+    drafter.commit("copy", unique[:1])
+    pos = 1
+    while pos < len(unique):
+        (tree,) = drafter.propose(["copy"], [11])
+        accepted = [tree.token_ids[i] for i in tree.accepted_nodes(unique[pos:pos + 11])]
+        step = (accepted + unique[pos + len(accepted):])[:len(accepted) + 1]
+        drafter.commit("copy", step)
+        pos += len(step)
+    drafter.stop("copy")
+    calibration = drafter.stats()["calibration"]
+    assert max(calibration["context/unique"]["factor"]) > 1.4
+    assert sum(calibration["context"]["trials"]) == 0
+    shared = list(range(2000, 2016))  # a 16-token suffix seen twice, followed by 7 and by 8
+    drafter.start("shared", shared + [7] + shared + [8] + shared)
+    (tree,) = drafter.propose(["shared"], [2])
+    assert sorted(tree.token_ids[1:]) == [7, 8]
+    assert tree.probs[1] == pytest.approx(1 / 3)  # raw 1/(2 + 1), factor still 1
+
+
+@backends
 def test_deterministic(backend: str):
     def run() -> list:
         drafter = new_drafter(backend, StubCorpora({"c": [[1, 2, 3, 1, 2, 4]]}))

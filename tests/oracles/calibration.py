@@ -1,12 +1,17 @@
-"""List-based reference of drafting/calibration.py: the per-(source, bucket) update and estimate
+"""List-based reference of drafting/calibration.py: the per-(cls, bucket) update and estimate
 that kernels/commit.py `learn` and kernels/build.py `_estimate` compute, in the same order."""
 
 from __future__ import annotations
 
 from bisect import bisect_right
 
-from ngramspec.drafting.calibration import BUCKET_EDGES, MAX_CONDITIONAL, NUM_BUCKETS
-from ngramspec.drafting.sources import NUM_SOURCES, SOURCE_NAMES
+from ngramspec.drafting.calibration import (
+    BUCKET_EDGES,
+    MAX_CONDITIONAL,
+    NUM_BUCKETS,
+    NUM_CLASSES,
+    class_name,
+)
 
 
 def length_bucket(length: int) -> int:
@@ -22,38 +27,39 @@ class ReferenceCalibrator:
 
     def reset(self) -> None:
         def table(value: float) -> list[list[float]]:
-            return [[value] * NUM_BUCKETS for _ in range(NUM_SOURCES)]
+            return [[value] * NUM_BUCKETS for _ in range(NUM_CLASSES)]
 
         self._raw_sum = table(0.0)
         self._accepted = table(0.0)
-        self._trials = [[0] * NUM_BUCKETS for _ in range(NUM_SOURCES)]
+        self._trials = [[0] * NUM_BUCKETS for _ in range(NUM_CLASSES)]
         self._factor = table(self.prior_factor)
         self._prior_mass = self.prior_weight * self.prior_factor
 
-    def estimate(self, source: int, length: int, raw: float) -> float:
+    def estimate(self, cls: int, length: int, raw: float) -> float:
         """Calibrated probability that the verifier accepts this token given its parent."""
-        factor = self._factor[source][length_bucket(length)] if self.enabled else 1.0
+        factor = self._factor[cls][length_bucket(length)] if self.enabled else 1.0
         return min(MAX_CONDITIONAL, raw * factor)
 
-    def observe(self, source: int, length: int, raw: float, accepted: bool) -> None:
+    def observe(self, cls: int, length: int, raw: float, accepted: bool) -> None:
         b = length_bucket(length)
-        self._raw_sum[source][b] += raw
-        self._accepted[source][b] += 1.0 if accepted else 0.0
-        self._trials[source][b] += 1
-        self._factor[source][b] = (self._accepted[source][b] + self._prior_mass) / (
-            self._raw_sum[source][b] + self.prior_weight
+        self._raw_sum[cls][b] += raw
+        self._accepted[cls][b] += 1.0 if accepted else 0.0
+        self._trials[cls][b] += 1
+        self._factor[cls][b] = (self._accepted[cls][b] + self._prior_mass) / (
+            self._raw_sum[cls][b] + self.prior_weight
         )
 
     def stats(self) -> dict[str, dict[str, list[float]]]:
-        """Per source: trials, acceptance rate and learned factor per length bucket."""
+        """Per class: trials, acceptance rate and learned factor per length bucket."""
         out = {}
-        for source, name in SOURCE_NAMES.items():
-            trials = self._trials[source]
+        for cls in range(NUM_CLASSES):
+            name = class_name(cls)
+            trials = self._trials[cls]
             out[name] = {
                 "trials": list(trials),
                 "accept_rate": [
-                    a / t if t else 0.0 for a, t in zip(self._accepted[source], trials)
+                    a / t if t else 0.0 for a, t in zip(self._accepted[cls], trials)
                 ],
-                "factor": list(self._factor[source]),
+                "factor": list(self._factor[cls]),
             }
         return out

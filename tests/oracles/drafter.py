@@ -21,6 +21,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+from ngramspec.drafting.calibration import evidence_class
 from ngramspec.drafting.config import CorpusSnapshot, DrafterConfig
 from ngramspec.drafting.index.sam import SuffixAutomaton
 from ngramspec.drafting.sources import CONTEXT, CORPUS, NUM_SOURCES, SOURCE_NAMES, TRIE
@@ -32,7 +33,7 @@ from oracles.trie import ReferenceTrie, ReferenceTrieState
 # A cursor: (source, handle, matched length). Handles: CONTEXT -> (index, end positions, offset),
 # TRIE -> node id, CORPUS -> (automaton, state).
 Cursor = tuple[int, object, int]
-# One drafted node's evidence for calibration: (source, matched length, raw estimate).
+# One drafted node's evidence for calibration: (evidence class, matched length, raw estimate).
 Evidence = tuple[int, int, float]
 
 
@@ -156,16 +157,17 @@ class ReferenceDrafter:
         for source, handle, length in cursors:
             for token, child, count, total in self._continuations(source, handle):
                 raw = count / (total + 1)
-                est = estimate(source, length, raw)
+                cls = evidence_class(source, total)
+                est = estimate(cls, length, raw)
                 entry = merged.get(token)
                 if entry is None:
                     merged[token] = [est, source, [(source, child, length + 1)],
-                                     [(source, length, raw)]]
+                                     [(cls, length, raw)]]
                     continue
                 if est > entry[0]:
                     entry[0], entry[1] = est, source
                 entry[2].append((source, child, length + 1))
-                entry[3].append((source, length, raw))
+                entry[3].append((cls, length, raw))
         for token, (est, source, kids, proof) in merged.items():
             heapq.heappush(heap, (-prob * est, seq, slot, token, source, kids, proof))
             seq += 1
@@ -233,8 +235,8 @@ class ReferenceDrafter:
             ok = node in accepted
             if ok:
                 self._counts[NUM_SOURCES + tree.sources[node]] += 1
-            for source, length, raw in evidence[node]:
-                self.calibrator.observe(source, length, raw, ok)
+            for cls, length, raw in evidence[node]:
+                self.calibrator.observe(cls, length, raw, ok)
 
     def stats(self) -> dict:
         """Drafted/accepted nodes per winning source, calibration tables, trie size."""

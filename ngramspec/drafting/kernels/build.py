@@ -10,7 +10,7 @@ length, raw estimate) for calibration. Cursors and candidates live in preallocat
   cursor columns: SRC, A (trie node | pool start | automaton state's first edge),
                   B (pool length | the state's occurrences), OFF (context offset | the
                   state's edge end), LEN (matched length), NEXT (next cursor of the same
-                  candidate)
+                  candidate), CLS (the evidence class that proposed it: calibration.py)
   candidate columns: SLOT (parent node), TOK, SRC, HEAD, TAIL (its cursor list)
 Context cursors keep their end positions as segments of `pool`. `build` serves requests without
 external corpora; `build_with_corpora` adds the corpus bank (kernels/sam.py).
@@ -28,7 +28,8 @@ from ngramspec.drafting.kernels import sam as sk
 from ngramspec.drafting.kernels import trie as tk
 from ngramspec.drafting.sources import CONTEXT, CORPUS, TRIE
 
-C_SRC, C_A, C_B, C_OFF, C_LEN, C_NEXT = range(6)
+C_SRC, C_A, C_B, C_OFF, C_LEN, C_NEXT, C_CLS = range(7)
+CURSOR_COLUMNS = 7
 K_SLOT, K_TOK, K_SRC, K_HEAD, K_TAIL = range(5)
 # params: budget, top-k children per cursor, anchors per source, occurrences per context match,
 # then the config's fixed sizes (scratch cursors, pool, group columns; tree nodes and evidence
@@ -57,7 +58,8 @@ class Scratch:
         self.cursors = root * (1 + (budget + 1) * limit) + 16
         self.pool = anchors * occurrences * (budget + 2) + 16
         self.groups = occurrences + 1
-        self.ints = np.zeros(12 * self.cursors + self.pool + 5 * self.groups + 4, np.int64)
+        self.ints = np.zeros((CURSOR_COLUMNS + 6) * self.cursors + self.pool + 5 * self.groups + 4,
+                             np.int64)
         self.floats = np.zeros(3 * self.cursors, np.float64)
 
 
@@ -80,7 +82,7 @@ def request_sizes(budget: int, anchors: int, num_corpora: int) -> tuple[int, int
 
 @njit(cache=True)
 def request_views(r_ints, r_floats, params):
-    """out_i [3, nodes] (token, parent, source), ev_i [2, evidence] (source, matched length),
+    """out_i [3, nodes] (token, parent, source), ev_i [2, evidence] (class, matched length),
     ev_off [nodes + 1] (node i's evidence is ev_off[i]:ev_off[i + 1]), out_p [nodes] (path
     probabilities), ev_raw [evidence]."""
     nodes, evidence = params[P_NODES], params[P_EVIDENCE]
@@ -97,8 +99,8 @@ def request_views(r_ints, r_floats, params):
 def _scratch_views(ints, floats, params):
     cursors, pool, groups = params[P_CURSORS], params[P_POOL], params[P_GROUPS]
     o = 0
-    cur = ints[o:o + 6 * cursors].reshape((6, cursors))
-    o += 6 * cursors
+    cur = ints[o:o + CURSOR_COLUMNS * cursors].reshape((CURSOR_COLUMNS, cursors))
+    o += CURSOR_COLUMNS * cursors
     cand = ints[o:o + 5 * cursors].reshape((5, cursors))
     o += 5 * cursors
     heap = ints[o:o + cursors]
@@ -122,9 +124,15 @@ def bucket(length: int) -> int:
 
 
 @njit(cache=True, inline="always")
-def _estimate(factor: np.ndarray, calibrate: bool, src: int, length: int, raw: float) -> float:
-    f = factor[src, bucket(length)] if calibrate else 1.0
+def _estimate(factor: np.ndarray, calibrate: bool, cls: int, length: int, raw: float) -> float:
+    f = factor[cls, bucket(length)] if calibrate else 1.0
     return min(MAX_CONDITIONAL, raw * f)
+
+
+@njit(cache=True, inline="always")
+def _class(src: int, occurrences: int) -> int:
+    """calibration.evidence_class: 2 * source + (exactly one earlier occurrence)."""
+    return 2 * src + (1 if occurrences <= 1 else 0)
 
 
 @njit(cache=True)
@@ -170,11 +178,11 @@ def _heap_pop(heap: np.ndarray, counts: np.ndarray, cand_f: np.ndarray) -> int:
 
 @njit(cache=True)
 def _new_cursor(cur: np.ndarray, counts: np.ndarray, src: int, a: int, b: int, off: int,
-                length: int) -> int:
+                length: int, cls: int) -> int:
     c = counts[N_CUR]
     counts[N_CUR] = c + 1
     cur[C_SRC, c], cur[C_A, c], cur[C_B, c] = src, a, b
-    cur[C_OFF, c], cur[C_LEN, c], cur[C_NEXT, c] = off, length, -1
+    cur[C_OFF, c], cur[C_LEN, c], cur[C_NEXT, c], cur[C_CLS, c] = off, length, -1, cls
     return c
 
 
@@ -257,8 +265,9 @@ def _push_children(cols, tok, n_tok, factor, calibrate, params, bank, s_cur, s_r
             taken = 0
             while child != -1 and taken < limit:
                 raw = cols[child, tk.CNT] / (total + 1)
-                est = _estimate(factor, calibrate, src, length, raw)
-                kid = _new_cursor(s_cur, counts, src, child, 0, 0, length + 1)
+                cls = _class(src, total)
+                est = _estimate(factor, calibrate, cls, length, raw)
+                kid = _new_cursor(s_cur, counts, src, child, 0, 0, length + 1, cls)
                 _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot,
                        cols[child, tk.TOK], src, est, kid, raw)
                 child = cols[child, tk.NEXT]
@@ -270,9 +279,10 @@ def _push_children(cols, tok, n_tok, factor, calibrate, params, bank, s_cur, s_r
             for e in range(lo, min(hi, lo + limit)):
                 occ = edges[e, sk.E_OCC]
                 raw = occ / (total + 1)
-                est = _estimate(factor, calibrate, src, length, raw)
+                cls = _class(src, total)
+                est = _estimate(factor, calibrate, cls, length, raw)
                 kid = _new_cursor(s_cur, counts, src, edges[e, sk.E_LO], occ,
-                                  edges[e, sk.E_HI], length + 1)
+                                  edges[e, sk.E_HI], length + 1, cls)
                 _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot,
                        edges[e, sk.E_TOKEN], src, est, kid, raw)
         else:
@@ -285,8 +295,9 @@ def _push_children(cols, tok, n_tok, factor, calibrate, params, bank, s_cur, s_r
                 at = counts[N_POOL]
                 counts[N_POOL] += size
                 raw = size / (num + 1)
-                est = _estimate(factor, calibrate, src, length, raw)
-                kid = _new_cursor(s_cur, counts, src, at, size, off + 1, length + 1)
+                cls = _class(src, num)
+                est = _estimate(factor, calibrate, cls, length, raw)
+                kid = _new_cursor(s_cur, counts, src, at, size, off + 1, length + 1, cls)
                 _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot, t, src, est,
                        kid, raw)
         c = s_cur[C_NEXT, c]
@@ -317,7 +328,7 @@ def _root_cursors(cols, edges, tmeta, tstate, trie_start, tok, prev, cst, params
     counts[N_POOL] = used
     head, tail = -1, -1
     for i in range(found):
-        c = _new_cursor(s_cur, counts, CONTEXT, starts[i], nums[i], 0, m[i])
+        c = _new_cursor(s_cur, counts, CONTEXT, starts[i], nums[i], 0, m[i], -1)
         head, tail = _link(s_cur, head, tail, c)
     n = cst[cx.NUM]
     tk.refresh(cols, edges, tmeta, tstate, tok[trie_start:], n - trie_start)
@@ -329,7 +340,7 @@ def _root_cursors(cols, edges, tmeta, tstate, trie_start, tok, prev, cst, params
         count = cols[node, tk.CNT]
         if count != last_count and num_trie < k_max:
             # A shorter suffix with an equal count has the same occurrences: skip it.
-            c = _new_cursor(s_cur, counts, TRIE, node, 0, 0, k + 1)
+            c = _new_cursor(s_cur, counts, TRIE, node, 0, 0, k + 1, -1)
             head, tail = _link(s_cur, head, tail, c)
             last_count, num_trie = count, num_trie + 1
     states, trans, roots, match = bank[0], bank[1], bank[3], bank[4]
@@ -343,7 +354,7 @@ def _root_cursors(cols, edges, tmeta, tstate, trie_start, tok, prev, cst, params
             lo, hi = states[state, sk.S_EDGE], states[state + 1, sk.S_EDGE]
             if hi > lo:
                 c = _new_cursor(s_cur, counts, CORPUS, lo, states[state, sk.S_OCC], hi,
-                                min(length, states[state, sk.S_LEN]))
+                                min(length, states[state, sk.S_LEN]), -1)
                 head, tail = _link(s_cur, head, tail, c)
                 taken += 1
             state = states[state, sk.S_LINK]
@@ -356,7 +367,7 @@ def _build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, min_path_pro
     s_cur, s_raw, s_cand, s_cand_f, heap, pool, groups, counts = _scratch_views(
         s_ints, s_floats, params)
     out_i, ev_i, ev_off, out_p, ev_raw = request_views(r_ints, r_floats, params)
-    factor = cal[3]  # calibration factors [source, bucket]
+    factor = cal[3]  # calibration factors [class, bucket]
     calibrate = params[P_CALIBRATE] != 0
     n_tok = cst[cx.NUM]
     counts[:] = 0
@@ -381,7 +392,7 @@ def _build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, min_path_pro
         out_p[n] = prob
         c = s_cand[K_HEAD, k]
         while c != -1:
-            ev_i[0, e], ev_i[1, e], ev_raw[e] = s_cur[C_SRC, c], s_cur[C_LEN, c] - 1, s_raw[c]
+            ev_i[0, e], ev_i[1, e], ev_raw[e] = s_cur[C_CLS, c], s_cur[C_LEN, c] - 1, s_raw[c]
             e += 1
             c = s_cur[C_NEXT, c]
         stats[src] += 1

@@ -16,7 +16,7 @@ def learn(out_i, n, ev_i, ev_raw, ev_off, accepted_tokens, cal, calibrate_prior,
     """Calibrate on every node the verifier judged (its parent accepted); tests/oracles/drafter.py
     `_learn` is the reference.
 
-    cal (float64 [4, NUM_SOURCES, buckets]): raw sums, acceptances, trials, factors;
+    cal (float64 [4, NUM_CLASSES, buckets]): raw sums, acceptances, trials, factors;
     calibrate_prior: (prior mass, prior weight).
     """
     accepted = np.zeros(n, np.bool_)
