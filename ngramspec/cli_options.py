@@ -29,6 +29,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
                    help="prefill every prompt in full (default: reuse cached prefixes' K/V)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split the model over N processes (NCCL on CUDA, gloo on the CPU)")
     g.add_argument("--speculative", choices=["ngram", "none"], default=None,
                    help="model-free n-gram speculative decoding")
     g.add_argument("--verify-cost", type=_verify_cost, default=None, metavar="flat|C1,C2,...",
@@ -65,6 +67,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), num_threads=args.threads,
+                tensor_parallel_size=args.tensor_parallel_size,
                 enable_prefix_caching=args.enable_prefix_caching,
                 speculative=spec, drafter=drafter_config_from_args(args),
                 verify_cost=args.verify_cost, draft_sizing=args.draft_sizing)

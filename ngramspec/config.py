@@ -31,6 +31,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     kv_cache_bytes: int = 1 << 30  # memory budget for K/V; sets the number of slots
     num_threads: int | None = None  # CPU threads for torch; None leaves torch's default
+    # Processes the model is split over (engine/parallel.py): NCCL on CUDA, gloo on the CPU.
+    # Dense weights only (quantization "auto" then resolves to "none").
+    tensor_parallel_size: int = 1
     # Keep finished requests' K/V indexed by token prefix; a prompt that starts with a cached
     # prefix skips its prefill (engine/prefix_cache.py).
     enable_prefix_caching: bool = True
@@ -44,7 +47,8 @@ class EngineConfig:
     draft_sizing: Literal["auto", "cost", "full"] = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes",
+                     "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"EngineConfig.{name}={value!r} must be a positive integer")
@@ -58,6 +62,9 @@ class EngineConfig:
                              "does not apply (use dtype='auto' or 'float32')")
         if self.quantization == "gguf" and self.device.startswith("cuda"):
             raise ValueError("quantization='gguf' runs CPU kernels; use device='cpu'")
+        if self.quantization == "gguf" and self.tensor_parallel_size > 1:
+            raise ValueError("quantization='gguf' keeps whole GGUF blocks, which tensor "
+                             "parallelism does not split; use quantization='none' or 'auto'")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"EngineConfig.kv_cache_dtype={self.kv_cache_dtype!r}: "
                              "use auto, float32 or bfloat16")
@@ -90,6 +97,8 @@ class EngineConfig:
         """Whether the model's GGUF blocks run on the CPU kernels (quantization resolved)."""
         if self.quantization != "auto":
             return self.quantization == "gguf"
+        if self.tensor_parallel_size > 1:
+            return False
         model_is_gguf = self.model is None or str(self.model).endswith(".gguf")
         return model_is_gguf and self.dtype == "auto" and self.torch_device.type == "cpu"
 

@@ -68,6 +68,10 @@ class LLM:
         LLMEngine.update_weights for what happens to requests in flight and to the caches."""
         self.engine.update_weights(source)
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel follower processes, if any."""
+        self.engine.close()
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 

@@ -23,6 +23,7 @@ from ngramspec.drafting.tree import DraftTree
 from ngramspec.engine.kv_cache import SlotAllocator
 from ngramspec.engine.logprobs import TokenLogprob, prompt_logprobs, step_logprobs
 from ngramspec.engine.model_runner import ForwardItem, ModelRunner
+from ngramspec.engine.parallel import TensorParallelRunner
 from ngramspec.engine.scheduler import Schedule, ScheduledChunk, Scheduler
 from ngramspec.engine.sequence import Sequence
 from ngramspec.engine.speculator import Speculator
@@ -69,9 +70,12 @@ class LLMEngine:
         per_slot = KVCache.bytes_per_slot(self.model_cfg.num_layers, self.model_cfg.num_kv_heads,
                                           self.model_cfg.head_dim, config.torch_kv_dtype)
         num_slots = max(2, config.kv_cache_bytes // per_slot)
-        self.runner = ModelRunner(self.model_cfg, load_state_dict(model_dir), num_slots,
-                                  self.max_model_len, dtype, device, self._gguf_weights(config),
-                                  config.torch_kv_dtype)
+        if config.tensor_parallel_size > 1:
+            self.runner = TensorParallelRunner(config, num_slots, self.max_model_len)
+        else:
+            self.runner = ModelRunner(self.model_cfg, load_state_dict(model_dir), num_slots,
+                                      self.max_model_len, dtype, device,
+                                      self._gguf_weights(config), config.torch_kv_dtype)
         self.scheduler = Scheduler(num_slots, config.max_num_seqs, config.max_num_batched_tokens,
                                    prefix_cache=config.enable_prefix_caching)
         # A sequence longer than the whole cache could never be rescheduled (it would wait forever),
@@ -234,6 +238,12 @@ class LLMEngine:
         self.scheduler.flush_cache()
         if self.speculator is not None:
             self.speculator.restart_calibration()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel follower processes, if any (idempotent)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or any(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,10 +36,14 @@ class ForwardItem:
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, state: dict[str, torch.Tensor], num_slots: int,
                  max_model_len: int, dtype: torch.dtype, device: torch.device,
-                 gguf_weights: dict | None = None, kv_dtype: torch.dtype | None = None) -> None:
+                 gguf_weights: dict | None = None, kv_dtype: torch.dtype | None = None,
+                 all_reduce: Callable[[torch.Tensor], None] | None = None) -> None:
         """`gguf_weights` ({HF name: GGUFWeight}): matrices to run from their GGUF blocks;
-        `kv_dtype`: the K/V cache's dtype (default: `dtype`)."""
+        `kv_dtype`: the K/V cache's dtype (default: `dtype`); `all_reduce`: sums a tensor over
+        the tensor-parallel ranks in place (engine/parallel.py; `model_cfg` is then this rank's
+        slice)."""
         self.device, self.dtype = device, dtype
+        self.all_reduce = all_reduce
         self.model_cfg = model_cfg
         self.max_model_len = max_model_len
         # The CPU kernel reads K/V in place and is batch-invariant; SDPA stays for CUDA.
@@ -65,6 +70,8 @@ class ModelRunner:
         if self.paged:
             model.attention = PagedAttention()
             model.use_cpu_kernels(cpu_kernels())
+        if self.all_reduce is not None:
+            model.use_all_reduce(self.all_reduce)
         pack_linears(model)
         return model
 

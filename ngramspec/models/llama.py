@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -34,6 +35,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     ops: ModuleType | None = None  # the fused CPU kernels (ngramspec.kernels), or None
+    # Tensor parallelism: o_proj holds this rank's input columns, so its output is a partial
+    # sum that this adds up over the ranks in place (engine/parallel.py). None: one rank.
+    all_reduce: Callable[[torch.Tensor], None] | None = None
 
     def forward(
         self, x: torch.Tensor, rotary: RotaryTable,
@@ -54,7 +58,10 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(rotary, q, k)
-        return self.o_proj(backend(self.layer, q, k, v, cache, meta))
+        out = self.o_proj(backend(self.layer, q, k, v, cache, meta))
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        return out
 
 
 class MLP(nn.Module):
@@ -64,12 +71,17 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     ops: ModuleType | None = None
+    all_reduce: Callable[[torch.Tensor], None] | None = None  # as Attention.all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ops is not None:
-            return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            out = self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -127,6 +139,12 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.ops = ops
+
+    def use_all_reduce(self, all_reduce: Callable[[torch.Tensor], None]) -> None:
+        """Tensor parallelism: sum each sublayer's partial output over the ranks."""
+        for module in self.modules():
+            if isinstance(module, (Attention, MLP)):
+                module.all_reduce = all_reduce
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load HF-named weights, fusing q/k/v and gate/up into our packed projections."""

@@ -189,6 +189,7 @@ class AsyncEngine:
         self._commands.put(("stop", None, None))
         await asyncio.to_thread(self._thread.join)
         self._thread = None
+        self.engine.close()  # tensor-parallel followers, if any
 
     def _deliver(self, events: list[tuple[str, TokenEvent]]) -> None:
         for request_id, event in events:
