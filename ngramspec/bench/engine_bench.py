@@ -2,7 +2,7 @@
 
 Same model file, same prompts (chat-templated questions), same number of torch threads, in one
 run; ours in its default mode (for a GGUF model on the CPU: the GGUF block kernels), HF in fp32 on
-the dequantised weights: batch 1 (each prompt alone, one after the other) and C concurrent requests (default 16), each
+the dequantised weights (on CUDA, `--device cuda`: both in bf16 on the same GPU): batch 1 (each prompt alone, one after the other) and C concurrent requests (default 16), each
 producing exactly --max-tokens new tokens (EOS ignored). HF runs the C requests both as one
 left-padded batch and one by one and keeps whichever is faster for it. tok/s counts new tokens
 over wall time, prefill included, after a warm-up of both.
@@ -67,11 +67,14 @@ def hf_generate(model, batch: list[list[int]], max_tokens: int, pad_id: int) -> 
     import torch
 
     width = max(map(len, batch))
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    dev = model.device
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=dev)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=dev)
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask,
                              generation_config=_hf_config(max_tokens, pad_id))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)  # the clock stops when the tokens exist
     return (out.shape[1] - width) * len(batch)
 
 
@@ -88,17 +91,21 @@ def hf_tok_s(model, prompts: list[list[int]], max_tokens: int, pad_id: int, batc
 
 
 def run_bench(model: str | None, questions: list[str], max_tokens: int, concurrency: int,
-              threads: int, hf_sequential_c16: bool = True) -> dict[str, Any]:
+              threads: int, hf_sequential_c16: bool = True, device: str = "auto"
+              ) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
     from ngramspec import LLM
     from ngramspec.models.loader import resolve_model_dir
 
-    llm = LLM(model, num_threads=threads)
+    llm = LLM(model, num_threads=threads, device=device)
+    dev = llm.engine.runner.device
     torch.set_num_threads(threads)  # HF runs in the same process with the same thread count
+    # Each side in its default dtype for the device: bf16 on CUDA (ours too), fp32 on the CPU.
+    hf_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     hf = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir(model)),
-                                              dtype=torch.float32).eval()
+                                              dtype=hf_dtype).to(dev).eval()
     pad_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
     chats = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
     b1_prompts, c_prompts = chats[: max(1, len(chats) - concurrency)], chats[-concurrency:]
@@ -108,7 +115,8 @@ def run_bench(model: str | None, questions: list[str], max_tokens: int, concurre
     hf_tok_s(hf, c_prompts[:4], 8, pad_id, batched=True)
     hf_tok_s(hf, c_prompts[:1], 8, pad_id, batched=False)
 
-    r: dict[str, Any] = {"threads": threads, "max_tokens": max_tokens, "concurrency": concurrency,
+    r: dict[str, Any] = {"device": str(dev), "threads": threads, "max_tokens": max_tokens,
+                         "concurrency": concurrency,
                          "num_prompts_b1": len(b1_prompts), "hf_c16_sequential_measured":
                          hf_sequential_c16}
     r["ours_tok_s_b1"] = ours_tok_s(llm, b1_prompts, max_tokens, concurrent=False)
@@ -133,8 +141,8 @@ def print_results(r: dict[str, Any]) -> None:
     from rich.table import Table
 
     c = r["concurrency"]
-    table = Table(title=f"plain decoding, {r['max_tokens']} new tokens per request, "
-                        f"{r['threads']} torch threads")
+    table = Table(title=f"plain decoding on {r['device']}, {r['max_tokens']} new tokens per "
+                        f"request, {r['threads']} torch threads")
     for col in ("requests", "ours tok/s", "HF tok/s", "ours / HF"):
         table.add_column(col, justify="left" if col == "requests" else "right")
     table.add_row(f"1 at a time ({r['num_prompts_b1']} prompts)", f"{r['ours_tok_s_b1']:.1f}",
@@ -157,6 +165,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--threads", type=int, default=2, help="torch threads, for both engines")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N], for both engines")
     p.add_argument("--hf-sequential-from-b1", action="store_true",
                    help="take HF's one-by-one rate for the concurrent requests from its batch-1 "
                         "run instead of generating them all again one by one")
@@ -171,7 +180,7 @@ def run_engine_bench(args: argparse.Namespace) -> int:
         raise SystemExit(f"--prompts {args.prompts}: no such file")
     questions = load_questions(args.prompts, args.num_prompts + args.concurrency)
     r = run_bench(args.model, questions, args.max_tokens, args.concurrency, args.threads,
-                  hf_sequential_c16=not args.hf_sequential_from_b1)
+                  hf_sequential_c16=not args.hf_sequential_from_b1, device=args.device)
     return emit(r, args.json, print_results)
 
 

