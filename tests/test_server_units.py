@@ -287,6 +287,9 @@ class _ScriptedEngine:
 
         self.threads.add(threading.current_thread().name)
 
+    def close(self) -> None:
+        self._touch()
+
     def add_request(self, request_id, prompt_ids, params, references=None):
         from ngramspec.engine.sequence import Sequence, Status
 

@@ -189,7 +189,6 @@ class AsyncEngine:
         self._commands.put(("stop", None, None))
         await asyncio.to_thread(self._thread.join)
         self._thread = None
-        self.engine.close()  # tensor-parallel followers, if any
 
     def _deliver(self, events: list[tuple[str, TokenEvent]]) -> None:
         for request_id, event in events:
@@ -216,6 +215,7 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._fail_all, "internal error in the engine")
         self._abort_everything()
         self.snapshot = self._snapshot()
+        self.engine.close()  # tensor-parallel followers, if any; on this thread, as every call
 
     def _handle_commands(self, block: bool) -> bool:
         """Run queued commands (waiting for one if `block`); False once told to stop."""
