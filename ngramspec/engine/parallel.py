@@ -167,6 +167,8 @@ class TensorParallelRunner:
                         for rank in range(1, world)]
         for w in self.workers:
             w.start()
+        if device.type == "cuda":  # NCCL's object broadcasts use the current device
+            torch.cuda.set_device(device)
         dist.init_process_group(_backend(device), init_method=init_method, rank=0,
                                 world_size=world)
         self.world = world
