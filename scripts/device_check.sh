@@ -4,7 +4,8 @@
 #   tests.txt        the GPU-marked tests (tests/test_cuda.py)
 #   engine.json      bench engine --device cuda: our plain decode vs HF transformers generate
 #   speed_*.json     bench speed on code_edit and Spec-Bench, concurrency 1 and 64
-#   summary.json     the checks of issue 14 with their numbers
+#   summary.json     the checks of issue 14 with their numbers (also printed at the end)
+#   log.txt          every step's stderr and timings
 # DEVICE=cpu runs the same steps on the CPU with tiny sizes (to check the script itself here).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +13,7 @@ OUT="${OUT:-/tmp/device_out}"; mkdir -p "$OUT"
 DEVICE="${DEVICE:-cuda}"
 PY="${PY:-python3}"
 export PYTHONUNBUFFERED=1
-log() { echo "[$(date +%T)] $*" | tee -a "$OUT/steps.txt"; }
+log() { echo "[$(date +%T)] $*" | tee -a "$OUT/log.txt"; }
 
 if [ "$DEVICE" = cuda ]; then
   site=/tmp/site
@@ -27,7 +28,7 @@ if [ "$DEVICE" = cuda ]; then
       "/tmp/$(cat .model/b/NAME)" || exit 1
   fi
   export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$OUT/log.txt" 2>&1
   CONC_HI=64; TOKENS=128
   limit() { case "$1:$2" in code_edit:1) echo 4;; spec_bench:1) echo 1;; code_edit:*) echo 64;; *) echo 5;; esac; }
 else
@@ -47,13 +48,13 @@ fi
 log "bench engine"
 timeout 80 $NG bench engine --device "$DEVICE" --prompts "$QUESTIONS" --num-prompts 4 \
   --concurrency "$CONC_HI" --max-tokens "$TOKENS" --hf-sequential-from-b1 --json \
-  > "$OUT/engine.json" 2> "$OUT/engine.err"
+  > "$OUT/engine.json" 2>> "$OUT/log.txt"
 for wl in code_edit spec_bench; do
   for c in 1 "$CONC_HI"; do
     log "bench speed $wl c=$c"
     timeout 55 $NG bench speed --device "$DEVICE" --workload "$wl" --concurrency "$c" \
       --limit "$(limit "$wl" "$c")" --max-tokens "$TOKENS" --spec-bench-path "$QUESTIONS" --skip-hf \
-      --skip-verify-cost --json > "$OUT/speed_${wl}_c${c}.json" 2> "$OUT/speed_${wl}_c${c}.err"
+      --skip-verify-cost --json > "$OUT/speed_${wl}_c${c}.json" 2>> "$OUT/log.txt"
   done
 done
 log "summary"
@@ -63,8 +64,8 @@ out = pathlib.Path(sys.argv[1])
 def load(name):
     try:
         return json.loads((out / name).read_text())
-    except Exception as e:  # a step that failed leaves its .err beside it
-        return {"error": f"{name}: {e}"}
+    except Exception as e:  # a step that failed: its stderr is in log.txt
+        return {"error": f"{name}: {e} (see log.txt)"}
 s = {"engine": load("engine.json")}
 for f in sorted(out.glob("speed_*.json")):
     s[f.stem] = load(f.name)
@@ -86,3 +87,6 @@ s["checks"] = {
 print(json.dumps(s, indent=1))
 PY
 log "done"
+# what comes back from $OUT: log.txt, tests.txt, engine.json, four speed_*.json, summary.json (8
+# files, the tool's limit); the checks also go to stdout, which the tool's reply shows
+$PY -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))['checks'], indent=1))" "$OUT/summary.json"

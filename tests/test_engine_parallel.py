@@ -60,6 +60,24 @@ def test_two_gloo_ranks_decode_as_one_process(tiny_model_dirs, arch):
     assert stats.num_accepted_tokens > 0  # drafts were verified on both ranks
 
 
+def test_a_dead_follower_is_a_clear_error_not_a_hang(tiny_model_dirs):
+    from ngramspec.engine.model_runner import ForwardItem
+
+    parallel = LLM(model=str(tiny_model_dirs["llama"]), num_threads=1, tensor_parallel_size=2)
+    runner = parallel.engine.runner
+    try:
+        item = ForwardItem([5, 6, 7], [0, 1, 2], [], [1, 2, 3], None, [2])
+        assert runner.run([item]).shape == (1, 512)
+        runner.workers[0].kill()
+        runner.workers[0].join()
+        with pytest.raises(RuntimeError, match="exited"):
+            runner.run([item])
+        with pytest.raises(RuntimeError, match="broken"):
+            runner.run([item])
+    finally:
+        parallel.close()
+
+
 def test_tensor_parallel_config_errors(tiny_model_dirs):
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(model=str(tiny_model_dirs["llama"]), tensor_parallel_size=0)

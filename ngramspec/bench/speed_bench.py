@@ -69,6 +69,9 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.concurrency < 1:
         raise ValueError(f"--concurrency={args.concurrency} must be >= 1")
+    if getattr(args, "tensor_parallel_size", 1) != 1:
+        raise ValueError("bench speed runs three engines side by side in one process; tensor "
+                         "parallelism allows one per process (--tensor-parallel-size 1)")
     prompts = build_workload(args.workload, args.limit, args.spec_bench_path)
     if not prompts:
         raise ValueError(f"workload {args.workload!r} has no prompts")

@@ -20,7 +20,11 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
+import signal
 import socket
+import threading
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -30,6 +34,11 @@ from ngramspec.config import EngineConfig
 from ngramspec.engine.model_runner import ForwardItem, ModelRunner
 from ngramspec.models.config import ModelConfig
 from ngramspec.models.loader import load_model_config, load_state_dict, resolve_model_dir
+
+log = logging.getLogger(__name__)
+# How long ranks wait for each other to start and build their slices (torch's default is 30
+# min on gloo): a follower that dies while loading fails the start within this.
+START_TIMEOUT = timedelta(minutes=5)
 
 
 def check_divisible(cfg: ModelConfig, world: int) -> None:
@@ -111,19 +120,23 @@ def _all_reduce(x: torch.Tensor) -> None:
 
 def _worker(rank: int, world: int, init_method: str, config: EngineConfig, num_slots: int,
             max_model_len: int) -> None:
-    """A follower rank: build its slice, then run whatever rank 0 broadcasts until "stop"."""
+    """A follower rank: build its slice, then run whatever rank 0 broadcasts until "stop".
+
+    Any error ends the process (logged): a rank that missed part of a forward can never rejoin
+    the collectives, and rank 0 checks that its followers live before every command."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = _rank_device(config, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(_backend(device), init_method=init_method, rank=rank,
-                            world_size=world)
+                            world_size=world, timeout=START_TIMEOUT)
     try:
         runner = _build_runner(config, rank, world, num_slots, max_model_len)
         dist.barrier()
         while True:
-            cmd, payload = _receive()
+            cmd, payload = _receive(device)
             if cmd == "run":
                 runner.run(payload)
             elif cmd == "load":
@@ -131,18 +144,23 @@ def _worker(rank: int, world: int, init_method: str, config: EngineConfig, num_s
                 runner.load_weights(shard_state_dict(state, full_cfg, rank, world))
             elif cmd == "stop":
                 return
+    except Exception:
+        log.exception("tensor-parallel rank %d failed; it leaves the group", rank)
+        raise
     finally:
         dist.destroy_process_group()
 
 
-def _receive() -> tuple[str, Any]:
+def _receive(device: torch.device) -> tuple[str, Any]:
     box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, device=device)
     return box[0]
 
 
-def _send(cmd: str, payload: Any = None) -> None:
-    dist.broadcast_object_list([(cmd, payload)], src=0)
+def _send(device: torch.device, cmd: str, payload: Any = None) -> None:
+    # The device is explicit: NCCL would otherwise use the calling thread's current device,
+    # and the server runs the engine on its own thread.
+    dist.broadcast_object_list([(cmd, payload)], src=0, device=device)
 
 
 class TensorParallelRunner:
@@ -170,18 +188,37 @@ class TensorParallelRunner:
         if device.type == "cuda":  # NCCL's object broadcasts use the current device
             torch.cuda.set_device(device)
         dist.init_process_group(_backend(device), init_method=init_method, rank=0,
-                                world_size=world)
+                                world_size=world, timeout=START_TIMEOUT)
         self.world = world
         self.local = _build_runner(config, 0, world, num_slots, max_model_len)
         dist.barrier()  # every rank built its slice
         self.device = self.local.device
         self._closed = False
+        self._broken: str | None = None
+        self._lock = threading.Lock()
         atexit.register(self.close)
+
+    def _command(self, cmd: str, payload: Any = None) -> None:
+        """Broadcast a command, once every follower is known to be alive."""
+        if self._broken is not None:
+            raise RuntimeError(f"the tensor-parallel group is broken ({self._broken}); "
+                               "restart the engine")
+        dead = [r for r, w in enumerate(self.workers, 1) if not w.is_alive()]
+        if dead:
+            self._broken = f"rank(s) {dead} exited"
+            raise RuntimeError(f"tensor-parallel rank(s) {dead} exited; restart the engine")
+        _send(self.device, cmd, payload)
 
     @torch.inference_mode()
     def run(self, items: list[ForwardItem]) -> torch.Tensor:
-        _send("run", items)
-        return self.local.run(items)
+        self._command("run", items)
+        try:
+            return self.local.run(items)
+        except Exception as e:
+            # The followers may be inside this forward's collectives: the ranks are out of
+            # step, so every later step must fail rather than hang.
+            self._broken = f"a forward failed on rank 0: {e}"
+            raise
 
     def load_weights(self, state: dict[str, torch.Tensor], gguf_weights: dict | None = None
                      ) -> None:
@@ -190,15 +227,18 @@ class TensorParallelRunner:
         if gguf_weights:
             raise ValueError("tensor parallelism runs dense weights; GGUF blocks are not split")
         self.local.load_weights(shard_state_dict(state, self.full_cfg, 0, self.world))
-        _send("load", (self.full_cfg, state))
+        self._command("load", (self.full_cfg, state))
 
     def close(self) -> None:
         """Stop the follower ranks and leave the process group (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:  # atexit and the engine's owner may both call it
+            if self._closed:
+                return
+            self._closed = True
+        atexit.unregister(self.close)  # else atexit would keep the model alive
         try:
-            _send("stop")
+            if self._broken is None and all(w.is_alive() for w in self.workers):
+                _send(self.device, "stop")
         finally:
             for w in self.workers:
                 w.join(timeout=30)
