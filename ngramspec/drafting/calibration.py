@@ -7,7 +7,7 @@ bucket) keeps a multiplicative factor = (observed acceptances + prior) / (sum of
 prior), learned from every drafted node whose parent was accepted (a "trial": the verifier
 actually judged it).
 
-The class is the source and whether the matched suffix had exactly one earlier occurrence (a
+The class is the source and whether the matched suffix had one earlier occurrence only (a
 "unique" match: raw = 1/2 whatever the evidence). Replays of data/streams
 (`ngramspec simulate`) put the gain of that split at +1% mean accepted overall and +3% on code
 edits: one earlier occurrence of a long match is copied far more reliably than a 1-in-2 split of
@@ -25,12 +25,9 @@ BUCKET_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 NUM_BUCKETS = len(BUCKET_EDGES) + 1
 # A conditional estimate never reaches 1: path probabilities must strictly reflect risk.
 MAX_CONDITIONAL = 0.98
-# Evidence class = 2 * source + unique (the matched suffix had exactly one earlier occurrence).
+# Evidence class = 2 * source + unique (the matched suffix had at most one earlier occurrence);
+# kernels/build.py `_class` computes it.
 NUM_CLASSES = 2 * NUM_SOURCES
-
-
-def evidence_class(source: int, occurrences: int) -> int:
-    return 2 * source + (1 if occurrences <= 1 else 0)
 
 
 def class_name(cls: int) -> str:

@@ -241,9 +241,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the tensor-parallel follower processes, if any (idempotent)."""
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        self.runner.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or any(

@@ -86,6 +86,9 @@ class ModelRunner:
             raise ValueError(f"the new weights do not fit this model: {e}") from e
         self.model = model
 
+    def close(self) -> None:
+        """Nothing to release in one process (engine/parallel.py's runner stops its ranks)."""
+
     @torch.inference_mode()
     def run(self, items: list[ForwardItem]) -> torch.Tensor:
         """Logits for every requested row, item by item in order: [num_rows, vocab] float32."""

@@ -131,7 +131,7 @@ def _estimate(factor: np.ndarray, calibrate: bool, cls: int, length: int, raw: f
 
 @njit(cache=True, inline="always")
 def _class(src: int, occurrences: int) -> int:
-    """calibration.evidence_class: 2 * source + (exactly one earlier occurrence)."""
+    """The evidence class (calibration.py): 2 * source + (one earlier occurrence only)."""
     return 2 * src + (1 if occurrences <= 1 else 0)
 
 
