@@ -14,9 +14,11 @@ tokens are also in the request's own context, so both sources may propose the sa
 candidates merge into one node that keeps the higher estimate (the two estimates are one piece
 of evidence counted twice, so they are not combined as independent).
 
-A propose is one kernel call per request and a commit one (learn from the pending tree, index
-and count the new tokens). Per-request output arrays double as the pending tree, so nothing is
-copied between propose and commit. tests/oracles/drafter.py is the pure-Python reference the
+A whole propose is one kernel call (kernels/step.py): the commits queued since the last one (learn
+from the pending tree, index and count the new tokens), in the order they came, then every tree of
+the batch. Readers of the trie or the calibration (`trie`, `stats`) run the queue first, so every
+observable state is the one eager commits would give. Per-request output arrays double as the
+pending tree, so nothing is copied between propose and commit. tests/oracles/drafter.py is the pure-Python reference the
 lockstep property tests hold this to, tree for tree.
 """
 
@@ -33,7 +35,7 @@ from ngramspec.drafting.index.context import ContextIndex
 from ngramspec.drafting.index.sam import SuffixAutomaton
 from ngramspec.drafting.index.trie import NgramTrie, TrieState
 from ngramspec.drafting.kernels import build as bk
-from ngramspec.drafting.kernels import commit as cm
+from ngramspec.drafting.kernels import step
 from ngramspec.drafting.kernels.sam import CorpusBank
 from ngramspec.drafting.sources import NUM_SOURCES, SOURCE_NAMES
 from ngramspec.drafting.tree import DraftTree
@@ -49,26 +51,30 @@ class _Layout:
     scratch: bk.Scratch
     request_ints: int
     request_floats: int
-    params: dict[int, np.ndarray]  # kernel parameters by budget
+    params: np.ndarray  # the kernels' parameters (the step kernel writes each tree's budget)
     snapshot: object = None  # the last snapshot seen to hold these corpora (identity check)
 
 
 @dataclass(slots=True)
 class _Request:
+    slot: int  # its row in the RequestTable
     context: ContextIndex  # references + separator + prompt + committed output
     trie_state: TrieState
     # The last built tree and its evidence (laid out as build.request_views says), with
     # trie_start and the nodes awaiting commit in the header of `ints`.
     ints: np.ndarray  # int64
     floats: np.ndarray  # float64: path probabilities first
-    layout: _Layout  # the layout `ints`/`floats` follow
-    params: np.ndarray  # the parameters of the last build (what its commit must read)
     matches: np.ndarray  # int64 [corpora, 3]: the request's match in each corpus (kernels/sam)
 
     @property
     def trie_start(self) -> int:
         """Where the request's own tokens begin in its context array (after any references)."""
         return int(self.ints[bk.R_TRIE_START])
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """Its arrays in RequestTable field order (kernels/step.py)."""
+        return (*self.context.arrays(), self.trie_state.arr, self.ints, self.floats,
+                self.matches)
 
 
 class NgramDrafter:
@@ -80,13 +86,22 @@ class NgramDrafter:
             warm_up()
         self.config = config
         self.corpora = corpora
-        self.trie = NgramTrie(config.capacity, config.max_trie_depth)
+        self._trie = NgramTrie(config.capacity, config.max_trie_depth)
         self.calibrator = SourceCalibrator(config.calibrate, config.calibration_prior_weight)
         self._requests: dict[str, _Request] = {}
-        # Config values read on every step, kept as plain attributes (a request-step is ~15 µs,
-        # so even property and method-call overheads show).
+        self._table = step.RequestTable()
+        # Commits and prompt insertions wait here for the next kernel call (kernels/step.py):
+        # flat (slot, new tokens, trie start) triples, the tokens, and how many trie positions
+        # they extend; slots of stopped requests are released once their operations ran.
+        self._ops: list[int] = []
+        self._tokens: list[int] = []
+        self._queued_positions = 0
+        self._releasing: list[int] = []
+        # Config values read on every step, kept as plain attributes (a request-step is a few
+        # µs, so even property and method-call overheads show).
         self._nodes = config.num_draft_tokens + 1
         self._depth = config.max_trie_depth
+        self._min_path_prob = config.min_path_prob
         self._layout = self._new_layout({})
         self._current_layout()  # the corpus bank is built here, not in the first step
         self._counts = np.zeros(2 * NUM_SOURCES, np.int64)  # drafted, then accepted, by source
@@ -106,41 +121,93 @@ class NgramDrafter:
             context.add_document(list(doc))
         trie_start = len(context)
         context.extend(prompt_ids)
-        state = self.trie.new_state()
-        if cfg.insert_prompt:
-            self.trie.extend(state, context.tok, trie_start, len(context))
+        state = self._trie.new_state()
+        self._trie.sync(state)
         layout = self._layout
-        req = _Request(context, state, np.zeros(layout.request_ints, np.int64),
-                       np.zeros(layout.request_floats, np.float64), layout,
-                       self._params(layout, 0), _matches(layout))
+        req = _Request(self._table.take(), context, state,
+                       np.zeros(layout.request_ints, np.int64),
+                       np.zeros(layout.request_floats, np.float64), _matches(layout))
         req.ints[bk.R_TRIE_START] = trie_start
+        self._table.set(req.slot, req.arrays())
         self._requests[request_id] = req
+        if cfg.insert_prompt:
+            self._ops += (req.slot, 0, trie_start)
+            self._queued_positions += len(context) - trie_start
 
     def commit(self, request_id: str, accepted_token_ids: list[int]) -> None:
         req = self._requests[request_id]
-        new = np.asarray(accepted_token_ids, dtype=np.int32)
-        ctx, trie, cal = req.context, self.trie, self.calibrator
-        if req.trie_state.epoch != trie.epoch:  # a new trie: re-anchor on the request's tokens
-            trie.anchors(req.trie_state, ctx.tok[req.trie_start:], len(ctx) - req.trie_start)
-        ctx.reserve(len(new))
-        trie.reserve(len(new) * self._depth)
-        # One kernel call: learn from the pending tree, index the tokens, count them.
-        failed = cm.commit(req.ints, req.floats, req.params, new, cal.cal, cal.prior,
-                           self._counts, ctx.tok, ctx.prev, ctx.hashes, ctx.keys, ctx.lens,
-                           ctx.vals, ctx.st, trie.cols, trie.edges, trie.runs, trie.meta,
-                           req.trie_state.arr)
-        if failed:
-            raise RuntimeError("trie columns were not grown before extend (bug)")
+        if req.trie_state.epoch != self._trie.epoch:  # a new trie: re-anchor on its tokens
+            self._flush()
+            ctx = req.context
+            self._trie.anchors(req.trie_state, ctx.tok[req.trie_start:],
+                               len(ctx) - req.trie_start)
+            self._table.set(req.slot, req.arrays())
+        count = len(accepted_token_ids)
+        if req.context.reserve(count):
+            self._table.set(req.slot, req.arrays())
+        self._ops += (req.slot, count, -1)
+        self._tokens += accepted_token_ids
+        self._queued_positions += count
 
     def stop(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        if self._ops:  # its queued operations still read its arrays
+            self._releasing.append(req.slot)
+        else:
+            self._table.release(req.slot)
 
     def reset(self) -> None:
         """Clear the trie, calibration and all request states; external corpora are kept."""
-        self.trie.reset()
+        self._trie.reset()
         self.calibrator.reset()
+        for req in self._requests.values():
+            self._table.release(req.slot)
+        for slot in self._releasing:
+            self._table.release(slot)
         self._requests.clear()
+        self._ops, self._tokens, self._queued_positions, self._releasing = [], [], 0, []
         self._counts[:] = 0
+
+    @property
+    def trie(self) -> NgramTrie:
+        """The learned trie, with every queued commit counted."""
+        self._flush()
+        return self._trie
+
+    @trie.setter
+    def trie(self, trie: NgramTrie) -> None:
+        self._flush()  # queued commits belong to the trie they were made under
+        self._trie = trie
+
+    # ----------------------------------------------------------------- the queue
+
+    def _take_queue(self) -> tuple[np.ndarray, np.ndarray]:
+        """The queued operations and tokens as kernel arrays; the trie is grown to fit them."""
+        ops = np.array(self._ops, np.int64).reshape(-1, 3)
+        tokens = np.array(self._tokens, np.int32)
+        self._trie.reserve(self._queued_positions * self._depth)
+        self._ops, self._tokens, self._queued_positions = [], [], 0
+        return ops, tokens
+
+    def _after_queue(self, failed: int) -> None:
+        for slot in self._releasing:
+            self._table.release(slot)
+        self._releasing = []
+        if failed:
+            raise RuntimeError("trie columns were not grown before extend (bug)")
+
+    def _flush(self) -> None:
+        """Run the queued operations now (a reader of the trie or calibration is coming)."""
+        if not self._ops:
+            return
+        ops, tokens = self._take_queue()
+        trie, cal, table = self._trie, self.calibrator, self._table
+        failed = step.apply_queue(ops, tokens, table.addr, table.size, self._layout.params,
+                                  cal.cal, cal.prior, self._counts, trie.cols, trie.edges,
+                                  trie.runs, trie.meta)
+        self._after_queue(failed)
 
     # ----------------------------------------------------------------- proposing
 
@@ -149,8 +216,30 @@ class NgramDrafter:
             raise ValueError("request_ids and budgets must have the same length")
         layout = self._current_layout()
         cap = self._nodes - 1
-        return [self._build(self._requests[rid], min(budget, cap), layout)
-                for rid, budget in zip(request_ids, budgets)]
+        reqs = [self._requests[rid] for rid in request_ids]
+        budgets = [min(budget, cap) for budget in budgets]
+        trie = self._trie
+        for req, budget in zip(reqs, budgets):
+            if budget > 0 and req.trie_state.epoch != trie.epoch:
+                trie.sync(req.trie_state)
+                self._table.set(req.slot, req.arrays())
+        ops, tokens = self._take_queue()
+        nodes, table, cal, s = self._nodes, self._table, self.calibrator, layout.scratch
+        out = np.empty((len(reqs), 1 + 3 * nodes), np.int64)
+        out_p = np.empty((len(reqs), nodes), np.float64)
+        bank = layout.bank or _NO_BANK
+        failed = step.propose(
+            ops, tokens, np.array([req.slot for req in reqs], np.int64),
+            np.array(budgets, np.int64), out, out_p, table.addr, table.size, layout.params,
+            self._min_path_prob, cal.cal, cal.prior, self._counts, s.ints, s.floats, trie.cols,
+            trie.edges, trie.runs, trie.meta, bank.states, bank.trans, bank.edges, bank.roots)
+        self._after_queue(failed)
+        trees = []
+        for row, probs in zip(out.tolist(), out_p.tolist()):
+            n = row[0]
+            trees.append(_trusted_tree(row[1:1 + n], row[1 + nodes:1 + nodes + n], probs[:n],
+                                       row[1 + 2 * nodes:1 + 2 * nodes + n]))
+        return trees
 
     def _current_layout(self) -> _Layout:
         """The layout of the corpora in use now (a new one when the snapshot changed)."""
@@ -162,7 +251,10 @@ class NgramDrafter:
             return layout
         sams = dict(sorted(snapshot.items()))
         if _key(sams) != layout.key:
+            self._flush()  # queued commits learn from trees laid out the old way
             layout = self._layout = self._new_layout(sams)
+            for req in self._requests.values():
+                self._relayout(req, layout)
         layout.snapshot = snapshot
         return layout
 
@@ -174,46 +266,13 @@ class NgramDrafter:
         ints, floats = bk.request_sizes(cfg.num_draft_tokens, cfg.max_anchors_per_source,
                                         num_corpora)
         bank = CorpusBank(list(sams.values())) if sams else None
-        return _Layout(bank, _key(sams), list(sams.values()), scratch, ints, floats, {})
-
-    def _params(self, layout: _Layout, budget: int) -> np.ndarray:
-        """The kernels' parameter array for `budget` under `layout` (cached there)."""
-        params = layout.params.get(budget)
-        if params is not None:
-            return params
-        cfg, s = self.config, layout.scratch
-        num_corpora = layout.bank.num_corpora if layout.bank is not None else 0
         nodes, evidence = bk.tree_sizes(cfg.num_draft_tokens, cfg.max_anchors_per_source,
                                         num_corpora)
-        params = np.array([budget, cfg.max_bfs_breadth, cfg.max_anchors_per_source,
-                           cfg.max_context_occurrences, s.cursors, s.pool, s.groups, nodes,
-                           evidence, cfg.max_context_match, int(cfg.calibrate),
-                           cfg.max_sam_match], np.int64)
-        layout.params[budget] = params
-        return params
-
-    def _build(self, req: _Request, budget: int, layout: _Layout) -> DraftTree:
-        if req.layout is not layout:
-            self._relayout(req, layout)
-        s, trie, ctx = layout.scratch, self.trie, req.context
-        if budget > 0 and req.trie_state.epoch != trie.epoch:
-            trie.sync(req.trie_state)
-        params = req.params = self._params(layout, budget)
-        bank = layout.bank
-        if bank is None:
-            n = bk.build(trie.cols, trie.edges, trie.meta, req.trie_state.arr, ctx.tok, ctx.prev,
-                         ctx.st, self.calibrator.cal, params, self.config.min_path_prob, s.ints,
-                         s.floats, req.ints, req.floats, self._counts)
-        else:
-            n = bk.build_with_corpora(
-                trie.cols, trie.edges, trie.meta, req.trie_state.arr, ctx.tok, ctx.prev, ctx.st,
-                self.calibrator.cal, params, self.config.min_path_prob, s.ints, s.floats,
-                req.ints, req.floats, self._counts, bank.states, bank.trans, bank.edges,
-                bank.roots, req.matches)
-        nodes = self._nodes
-        flat = req.ints[bk.R_HEAD:bk.R_HEAD + 3 * nodes].tolist()  # token, parent, source rows
-        return _trusted_tree(flat[:n], flat[nodes:nodes + n], req.floats[:n].tolist(),
-                             flat[2 * nodes:2 * nodes + n])
+        params = np.array([0, cfg.max_bfs_breadth, cfg.max_anchors_per_source,
+                           cfg.max_context_occurrences, scratch.cursors, scratch.pool,
+                           scratch.groups, nodes, evidence, cfg.max_context_match,
+                           int(cfg.calibrate), cfg.max_sam_match], np.int64)
+        return _Layout(bank, _key(sams), list(sams.values()), scratch, ints, floats, params)
 
     def _relayout(self, req: _Request, layout: _Layout) -> None:
         """New buffers for new corpora. A pending tree is dropped, as the build that follows
@@ -222,12 +281,14 @@ class NgramDrafter:
         req.ints = np.zeros(layout.request_ints, np.int64)
         req.floats = np.zeros(layout.request_floats, np.float64)
         req.ints[bk.R_TRIE_START] = trie_start
-        req.layout, req.matches = layout, _matches(layout)
+        req.matches = _matches(layout)
+        self._table.set(req.slot, req.arrays())
 
     # ----------------------------------------------------------------- reading
 
     def stats(self) -> dict:
         """Drafted/accepted nodes per winning source, calibration tables, trie size."""
+        self._flush()
         counts = self._counts.tolist()
         per_source = {
             name: {"proposed": counts[s], "accepted": counts[NUM_SOURCES + s]}
@@ -236,10 +297,22 @@ class NgramDrafter:
         return {
             "sources": per_source,
             "calibration": self.calibrator.stats(),
-            "trie_nodes": self.trie.num_nodes,
-            "trie_evicted": self.trie.num_evicted,
+            "trie_nodes": self._trie.num_nodes,
+            "trie_evicted": self._trie.num_evicted,
             "num_requests": len(self._requests),
         }
+
+
+class _NoBank:
+    """The corpus tables of no corpus."""
+
+    states = np.zeros((1, 4), np.int32)  # the sentinel row only
+    trans = np.zeros((0, 2), np.int32)
+    edges = np.zeros((0, 4), np.int32)
+    roots = np.zeros(0, np.int64)
+
+
+_NO_BANK = _NoBank()
 
 
 def _key(sams: dict[str, SuffixAutomaton]) -> tuple:
@@ -284,11 +357,11 @@ def warm_up() -> None:
     with_corpora = NgramDrafter(cfg, corpora, warm=False)
     for d in (drafter, with_corpora):
         d.start("warm", [1, 2, 3, 1, 2], references=[[1, 2, 4]])
-        for step in range(12):  # enough to fill the capacity and evict
-            if step == 6:  # two corpora: a new bank
+        for i in range(12):  # enough to fill the capacity and evict
+            if i == 6:  # two corpora: a new bank
                 corpora.sams = {"a": corpora.sams["a"], "b": corpora.sams["a"]}
             (tree,) = d.propose(["warm"], [3])
-            d.commit("warm", [tree.token_ids[-1], step % 5])
+            d.commit("warm", [tree.token_ids[-1], i % 5])
     trie = drafter.trie
     trie.children(0, 2)
     trie.lookup([1, 2])

@@ -59,23 +59,35 @@ class ContextIndex:
         self.reserve(len(new))
         cx.append(self.tok, self.prev, self.hashes, self.keys, self.lens, self.vals, self.st, new)
 
-    def reserve(self, count: int) -> None:
-        """Room for `count` more tokens; the caller then appends exactly `count` tokens."""
+    def reserve(self, count: int) -> bool:
+        """Room for `count` more tokens; the caller then appends exactly `count` tokens, maybe
+        later (the drafter queues its appends: kernels/step.py). True when the arrays were
+        replaced (their holders must take the new ones)."""
         self._num += count
+        grew = False
         if self._num > len(self.tok):
             size = max(self._num, 2 * len(self.tok))
             self.tok = _grown(self.tok, size)
             self.prev = _grown(self.prev, size * self.max_match)
+            grew = True
         self._entries_bound += count * self.max_match
         if self._entries_bound * 4 <= len(self.keys) * 3:
-            return
-        self._entries_bound = int(self.st[cx.ENTRIES]) + count * self.max_match
+            return grew
+        # Entries now, plus the most that every reserved but not yet appended token can add.
+        self._entries_bound = (int(self.st[cx.ENTRIES])
+                               + (self._num - int(self.st[cx.NUM])) * self.max_match)
         if self._entries_bound * 4 > len(self.keys) * 3:
             size = ht.table_size(2 * self._entries_bound)
             keys, lens = np.zeros(size, np.uint64), np.zeros(size, np.int8)
             vals = np.zeros((size, 2), np.int32)
             cx.rehash(self.keys, self.lens, self.vals, keys, lens, vals)
             self.keys, self.lens, self.vals = keys, lens, vals
+            grew = True
+        return grew
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """tok, prev, hashes, keys, lens, vals, st: what the kernels read (kernels/step.py)."""
+        return self.tok, self.prev, self.hashes, self.keys, self.lens, self.vals, self.st
 
     def anchors(self, max_anchors: int) -> list[tuple[int, list[int]]]:
         """Same result as the reference (tests/oracles/context.py)."""

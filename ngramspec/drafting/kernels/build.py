@@ -12,8 +12,8 @@ length, raw estimate) for calibration. Cursors and candidates live in preallocat
                   state's edge end), LEN (matched length), NEXT (next cursor of the same
                   candidate), CLS (the evidence class that proposed it: calibration.py)
   candidate columns: SLOT (parent node), TOK, SRC, HEAD, TAIL (its cursor list)
-Context cursors keep their end positions as segments of `pool`. `build` serves requests without
-external corpora; `build_with_corpora` adds the corpus bank (kernels/sam.py).
+Context cursors keep their end positions as segments of `pool`. kernels/step.py calls `build` for
+every request of a batch.
 """
 
 from __future__ import annotations
@@ -362,8 +362,12 @@ def _root_cursors(cols, edges, tmeta, tstate, trie_start, tok, prev, cst, params
 
 
 @njit(cache=True)
-def _build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, min_path_prob, s_ints,
-           s_floats, r_ints, r_floats, stats, bank) -> int:
+def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, min_path_prob, s_ints,
+          s_floats, r_ints, r_floats, stats, bank) -> int:
+    """Fill the request's tree and evidence (`request_views`) from its context, the trie and the
+    corpus bank (kernels/sam.py: states, trans, edges, roots and the request's match rows; no
+    corpus is empty tables); returns the node count, which is also left in r_ints[R_PENDING]
+    for the commit that follows."""
     s_cur, s_raw, s_cand, s_cand_f, heap, pool, groups, counts = _scratch_views(
         s_ints, s_floats, params)
     out_i, ev_i, ev_off, out_p, ev_raw = request_views(r_ints, r_floats, params)
@@ -404,26 +408,3 @@ def _build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, min_path_pro
                            s_cand[K_HEAD, k])
     r_ints[R_PENDING] = n
     return n
-
-
-@njit(cache=True)
-def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, min_path_prob, s_ints,
-          s_floats, r_ints, r_floats, stats) -> int:
-    """Fill the request's tree and evidence (`request_views`) from its context and the trie;
-    returns the node count, which is also left in r_ints[R_PENDING] for the commit that
-    follows."""
-    table = np.empty((0, 4), np.int32)
-    bank = (table, np.empty((0, 2), np.int32), table, np.empty(0, np.int64),
-            np.empty((0, 3), np.int64))
-    return _build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, min_path_prob,
-                  s_ints, s_floats, r_ints, r_floats, stats, bank)
-
-
-@njit(cache=True)
-def build_with_corpora(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, min_path_prob,
-                       s_ints, s_floats, r_ints, r_floats, stats, states, trans, corpus_edges,
-                       roots, match) -> int:
-    """`build` with external corpora: a CorpusBank's tables and the request's match rows."""
-    bank = (states, trans, corpus_edges, roots, match)
-    return _build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, min_path_prob,
-                  s_ints, s_floats, r_ints, r_floats, stats, bank)

@@ -1,4 +1,5 @@
-"""numba kernels of NgramDrafter.commit: calibration update, then indexing and counting."""
+"""numba kernels of a commit (run from kernels/step.py): calibration update, then indexing and
+counting."""
 
 from __future__ import annotations
 
@@ -47,14 +48,16 @@ def learn(out_i, n, ev_i, ev_raw, ev_off, accepted_tokens, cal, calibrate_prior,
 
 
 @njit(cache=True)
-def commit(r_ints, r_floats, params, new, cal, prior, stats, tok, prev, hashes, keys, lens, vals,
-           st, cols, edges, runs, meta, tstate) -> int:
-    """NgramDrafter.commit in one call: learn, index the tokens, count their n-grams."""
+def commit_one(r_ints, r_floats, params, new, trie_from, cal, prior, stats, tok, prev, hashes,
+               keys, lens, vals, st, cols, edges, runs, meta, tstate) -> int:
+    """One queued operation of a request (kernels/step.py): learn from its pending tree, index
+    the new tokens, count the n-grams ending at positions from `trie_from` (-1: the first new
+    token). 0, or -2 when the trie was not grown first (a bug)."""
     pending = r_ints[R_PENDING]
     if pending:
         out_i, ev_i, ev_off, _, ev_raw = request_views(r_ints, r_floats, params)
         learn(out_i, pending, ev_i, ev_raw, ev_off, new, cal, prior, stats)
         r_ints[R_PENDING] = 0
-    start = st[cx.NUM]
+    start = st[cx.NUM] if trie_from < 0 else trie_from
     cx.append(tok, prev, hashes, keys, lens, vals, st, new)
     return tk.extend(cols, edges, runs, meta, tstate, tok, start, st[cx.NUM])

@@ -1,0 +1,164 @@
+"""One numba call per engine step: every queued commit, then every requested tree.
+
+A request-step's real work is ~8 µs, and one numba call per request and per commit cost ~5 µs
+more (argument unboxing, views, Python glue: measured by calling the kernels with nothing to do).
+So the drafter queues its commits and runs them at the next propose, in the order they came,
+followed by every tree of the batch, in one call.
+
+The kernel finds each request's arrays through `RequestTable`: per slot, the address and length
+of each array (field columns `F_*`). The table holds a reference to every array whose address it
+stores, so an address never outlives its array; `set` is the only way in or out. (A numba typed
+list of arrays was the alternative: unboxing one costs ~1.3 µs and reading an item ~45 ns, 11
+lists per step and 11 items per request; reading an address here costs ~1 ns.)
+
+Queued operations are rows (slot, new tokens, trie start): append that many tokens (taken in
+order from one token array) to the request's context, learning first from its pending tree, then
+count the n-grams ending at the positions from trie start (-1: the first new token) in the trie.
+A request's start queues (slot, 0, where its prompt begins).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ngramspec.drafting.kernels import build as bk
+from ngramspec.drafting.kernels import commit as cm
+
+(F_TOK, F_PREV, F_HASHES, F_KEYS, F_LENS, F_VALS, F_ST, F_TSTATE, F_INTS, F_FLOATS,
+ F_MATCHES) = range(11)
+NUM_FIELDS = 11
+# The dtype of each field, and its second dimension (0: a 1-d array).
+FIELD_DTYPES = (np.int32, np.int32, np.uint64, np.uint64, np.int8, np.int32, np.int64,
+                np.int32, np.int64, np.float64, np.int64)
+FIELD_COLUMNS = (0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 3)
+O_SLOT, O_COUNT, O_TRIE_FROM = range(3)  # columns of a queued operation
+
+
+class RequestTable:
+    """Addresses and lengths of each slot's arrays (see the module docstring)."""
+
+    def __init__(self, slots: int = 64) -> None:
+        self.addr = np.zeros((slots, NUM_FIELDS), np.int64)
+        self.size = np.zeros((slots, NUM_FIELDS), np.int64)
+        self._held: list[tuple | None] = [None] * slots
+        self._free = list(range(slots - 1, -1, -1))
+
+    def take(self) -> int:
+        """A free slot (the table grows when none is left)."""
+        if not self._free:
+            old = len(self._held)
+            self.addr = _grown_rows(self.addr, 2 * old)
+            self.size = _grown_rows(self.size, 2 * old)
+            self._held += [None] * old
+            self._free = list(range(2 * old - 1, old - 1, -1))
+        return self._free.pop()
+
+    def set(self, slot: int, arrays: tuple) -> None:
+        """Point `slot` at `arrays` (one per field, in field order) and hold them."""
+        for f, (a, dtype, columns) in enumerate(zip(arrays, FIELD_DTYPES, FIELD_COLUMNS)):
+            if a.dtype != dtype or not a.flags.c_contiguous or a.ndim != (2 if columns else 1) \
+                    or (columns and a.shape[1] != columns):
+                raise TypeError(f"field {f}: expected a C-contiguous {np.dtype(dtype)} array "
+                                f"with {columns or 'no'} columns, got {a.dtype} {a.shape}")
+            self.addr[slot, f] = a.ctypes.data
+            self.size[slot, f] = a.shape[0]
+        self._held[slot] = arrays
+
+    def release(self, slot: int) -> None:
+        self.addr[slot] = 0
+        self.size[slot] = 0
+        self._held[slot] = None
+        self._free.append(slot)
+
+
+def _grown_rows(a: np.ndarray, rows: int) -> np.ndarray:
+    out = np.zeros((rows, a.shape[1]), a.dtype)
+    out[: len(a)] = a
+    return out
+
+
+@intrinsic
+def _pointer(typingctx, address):
+    """An int64 address as a void pointer (for numba.carray)."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return types.voidptr(address), codegen
+
+
+@njit(cache=True, inline="always")
+def _view(addr, size, slot, f, dtype):
+    return numba.carray(_pointer(addr[slot, f]), size[slot, f], dtype)
+
+
+@njit(cache=True, inline="always")
+def _view2(addr, size, slot, f, columns, dtype):
+    return numba.carray(_pointer(addr[slot, f]), (size[slot, f], columns), dtype)
+
+
+@njit(cache=True)
+def _apply_one(addr, size, slot, new, trie_from, params, cal, prior, stats, cols, edges, runs,
+               meta) -> int:
+    st = _view(addr, size, slot, F_ST, np.int64)
+    tok = _view(addr, size, slot, F_TOK, np.int32)
+    return cm.commit_one(
+        _view(addr, size, slot, F_INTS, np.int64), _view(addr, size, slot, F_FLOATS, np.float64),
+        params, new, trie_from, cal, prior, stats, tok, _view(addr, size, slot, F_PREV, np.int32),
+        _view(addr, size, slot, F_HASHES, np.uint64), _view(addr, size, slot, F_KEYS, np.uint64),
+        _view(addr, size, slot, F_LENS, np.int8), _view2(addr, size, slot, F_VALS, 2, np.int32),
+        st, cols, edges, runs, meta, _view(addr, size, slot, F_TSTATE, np.int32))
+
+
+@njit(cache=True)
+def apply_queue(ops, tokens, addr, size, params, cal, prior, stats, cols, edges, runs,
+                meta) -> int:
+    """Run the queued operations in order; 0, or -2 when the trie was not grown first (a bug)."""
+    at = 0
+    for i in range(ops.shape[0]):
+        count = ops[i, O_COUNT]
+        failed = _apply_one(addr, size, ops[i, O_SLOT], tokens[at:at + count],
+                            ops[i, O_TRIE_FROM], params, cal, prior, stats, cols, edges, runs,
+                            meta)
+        if failed:
+            return failed
+        at += count
+    return 0
+
+
+@njit(cache=True)
+def propose(ops, tokens, slots, budgets, out, out_p, addr, size, params, min_path_prob, cal,
+            prior, stats, s_ints, s_floats, cols, edges, runs, meta, states, trans, corpus_edges,
+            roots) -> int:
+    """The queue, then one tree per (slot, budget). Row i of `out` gets the node count, then
+    the tokens, parents and sources (nodes columns each); `out_p` row i the path probabilities.
+    The request's own buffers keep the tree and its evidence for the commit that follows."""
+    failed = apply_queue(ops, tokens, addr, size, params, cal, prior, stats, cols, edges, runs,
+                         meta)
+    if failed:
+        return failed
+    nodes = params[bk.P_NODES]
+    for i in range(slots.shape[0]):
+        slot = slots[i]
+        r_ints = _view(addr, size, slot, F_INTS, np.int64)
+        r_floats = _view(addr, size, slot, F_FLOATS, np.float64)
+        params[bk.P_BUDGET] = budgets[i]
+        bank = (states, trans, corpus_edges, roots,
+                _view2(addr, size, slot, F_MATCHES, 3, np.int64))
+        n = bk.build(cols, edges, meta, _view(addr, size, slot, F_TSTATE, np.int32),
+                     _view(addr, size, slot, F_TOK, np.int32),
+                     _view(addr, size, slot, F_PREV, np.int32),
+                     _view(addr, size, slot, F_ST, np.int64), cal, params, min_path_prob,
+                     s_ints, s_floats, r_ints, r_floats, stats, bank)
+        out[i, 0] = n
+        for j in range(3 * nodes):
+            out[i, 1 + j] = r_ints[bk.R_HEAD + j]
+        for j in range(n):
+            out_p[i, j] = r_floats[j]
+    return 0
