@@ -369,4 +369,4 @@ def warm_up() -> None:
     tb.rehash(trie.cols, trie.edges.copy(), trie.runs.copy(), trie.num_nodes)
     ctx = drafter._requests["warm"].context
     ctx.anchors(2)
-    cx.rehash(ctx.keys, ctx.lens, ctx.vals, ctx.keys.copy(), ctx.lens.copy(), ctx.vals.copy())
+    cx.rehash(ctx.table, np.zeros_like(ctx.table))

@@ -4,8 +4,8 @@ For every window length m <= max_match it finds the earlier occurrences of the s
 at the newest token, so a request can copy from its own prompt from the first decode step. The
 arrays live here and the numba kernels (drafting/kernels/context.py) read and grow them in place:
 `tok` (tokens), `hashes` (the hashes of the windows ending at the last token), one
-open-addressing table (window hash, length) -> (latest end, occurrences), and `prev`, the chain
-of earlier ends per window. `anchors()` lists matched suffix lengths longest first with their
+open-addressing table (window hash, length) -> (latest end, occurrences) of 16-byte records, and
+`prev`, the chain of earlier ends per window. `anchors()` lists matched suffix lengths longest first with their
 earlier ends oldest first; windows never contain a separator, so matches stay inside one
 document. tests/oracles/context.py is the dict-based reference.
 
@@ -34,10 +34,7 @@ class ContextIndex:
         self.hashes = np.zeros(max_match, np.uint64)
         self.tok = np.zeros(256, np.int32)
         self.prev = np.zeros(256 * max_match, np.int32)
-        size = ht.table_size(1024)
-        self.keys = np.zeros(size, np.uint64)
-        self.lens = np.zeros(size, np.int8)
-        self.vals = np.zeros((size, 2), np.int32)
+        self.table = np.zeros((ht.table_size(1024), 2), np.uint64)  # kernels/context.py
         # Python-side mirrors for the growth checks of `reserve` (numpy scalar reads are slow).
         self._num = 0
         self._entries_bound = 0  # >= table entries: every token adds at most max_match
@@ -57,7 +54,7 @@ class ContextIndex:
     def extend(self, tokens: list[int] | np.ndarray) -> None:
         new = np.asarray(tokens, dtype=np.int32)
         self.reserve(len(new))
-        cx.append(self.tok, self.prev, self.hashes, self.keys, self.lens, self.vals, self.st, new)
+        cx.append(self.tok, self.prev, self.hashes, self.table, self.st, new)
 
     def reserve(self, count: int) -> bool:
         """Room for `count` more tokens; the caller then appends exactly `count` tokens, maybe
@@ -71,23 +68,21 @@ class ContextIndex:
             self.prev = _grown(self.prev, size * self.max_match)
             grew = True
         self._entries_bound += count * self.max_match
-        if self._entries_bound * 4 <= len(self.keys) * 3:
+        if self._entries_bound * 4 <= len(self.table) * 3:
             return grew
         # Entries now, plus the most that every reserved but not yet appended token can add.
         self._entries_bound = (int(self.st[cx.ENTRIES])
                                + (self._num - int(self.st[cx.NUM])) * self.max_match)
-        if self._entries_bound * 4 > len(self.keys) * 3:
-            size = ht.table_size(2 * self._entries_bound)
-            keys, lens = np.zeros(size, np.uint64), np.zeros(size, np.int8)
-            vals = np.zeros((size, 2), np.int32)
-            cx.rehash(self.keys, self.lens, self.vals, keys, lens, vals)
-            self.keys, self.lens, self.vals = keys, lens, vals
+        if self._entries_bound * 4 > len(self.table) * 3:
+            table = np.zeros((ht.table_size(2 * self._entries_bound), 2), np.uint64)
+            cx.rehash(self.table, table)
+            self.table = table
             grew = True
         return grew
 
     def arrays(self) -> tuple[np.ndarray, ...]:
-        """tok, prev, hashes, keys, lens, vals, st: what the kernels read (kernels/step.py)."""
-        return self.tok, self.prev, self.hashes, self.keys, self.lens, self.vals, self.st
+        """tok, prev, hashes, table, st: what the kernels read (kernels/step.py)."""
+        return self.tok, self.prev, self.hashes, self.table, self.st
 
     def anchors(self, max_anchors: int) -> list[tuple[int, list[int]]]:
         """Same result as the reference (tests/oracles/context.py)."""

@@ -49,7 +49,7 @@ def learn(out_i, n, ev_i, ev_raw, ev_off, accepted_tokens, cal, calibrate_prior,
 
 @njit(cache=True)
 def commit_one(r_ints, r_floats, params, new, trie_from, cal, prior, stats, tok, prev, hashes,
-               keys, lens, vals, st, cols, edges, runs, meta, tstate) -> int:
+               table, st, cols, edges, runs, meta, tstate) -> int:
     """One queued operation of a request (kernels/step.py): learn from its pending tree, index
     the new tokens, count the n-grams ending at positions from `trie_from` (-1: the first new
     token). 0, or -2 when the trie was not grown first (a bug)."""
@@ -59,5 +59,5 @@ def commit_one(r_ints, r_floats, params, new, trie_from, cal, prior, stats, tok,
         learn(out_i, pending, ev_i, ev_raw, ev_off, new, cal, prior, stats)
         r_ints[R_PENDING] = 0
     start = st[cx.NUM] if trie_from < 0 else trie_from
-    cx.append(tok, prev, hashes, keys, lens, vals, st, new)
+    cx.append(tok, prev, hashes, table, st, new)
     return tk.extend(cols, edges, runs, meta, tstate, tok, start, st[cx.NUM])

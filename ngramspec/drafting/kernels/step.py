@@ -8,8 +8,8 @@ followed by every tree of the batch, in one call.
 The kernel finds each request's arrays through `RequestTable`: per slot, the address and length
 of each array (field columns `F_*`). The table holds a reference to every array whose address it
 stores, so an address never outlives its array; `set` is the only way in or out. (A numba typed
-list of arrays was the alternative: unboxing one costs ~1.3 µs and reading an item ~45 ns, 11
-lists per step and 11 items per request; reading an address here costs ~1 ns.)
+list of arrays was the alternative: unboxing one costs ~1.3 µs and reading an item ~45 ns, one
+list per field per step and one item per field and request; reading an address here costs ~1 ns.)
 
 Queued operations are rows (slot, new tokens, trie start): append that many tokens (taken in
 order from one token array) to the request's context, learning first from its pending tree, then
@@ -28,13 +28,12 @@ from numba.extending import intrinsic
 from ngramspec.drafting.kernels import build as bk
 from ngramspec.drafting.kernels import commit as cm
 
-(F_TOK, F_PREV, F_HASHES, F_KEYS, F_LENS, F_VALS, F_ST, F_TSTATE, F_INTS, F_FLOATS,
- F_MATCHES) = range(11)
-NUM_FIELDS = 11
+F_TOK, F_PREV, F_HASHES, F_TABLE, F_ST, F_TSTATE, F_INTS, F_FLOATS, F_MATCHES = range(9)
+NUM_FIELDS = 9
 # The dtype of each field, and its second dimension (0: a 1-d array).
-FIELD_DTYPES = (np.int32, np.int32, np.uint64, np.uint64, np.int8, np.int32, np.int64,
-                np.int32, np.int64, np.float64, np.int64)
-FIELD_COLUMNS = (0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 3)
+FIELD_DTYPES = (np.int32, np.int32, np.uint64, np.uint64, np.int64, np.int32, np.int64,
+                np.float64, np.int64)
+FIELD_COLUMNS = (0, 0, 0, 2, 0, 0, 0, 0, 3)
 O_SLOT, O_COUNT, O_TRIE_FROM = range(3)  # columns of a queued operation
 
 
@@ -106,14 +105,12 @@ def _view2(addr, size, slot, f, columns, dtype):
 @njit(cache=True)
 def _apply_one(addr, size, slot, new, trie_from, params, cal, prior, stats, cols, edges, runs,
                meta) -> int:
-    st = _view(addr, size, slot, F_ST, np.int64)
-    tok = _view(addr, size, slot, F_TOK, np.int32)
     return cm.commit_one(
         _view(addr, size, slot, F_INTS, np.int64), _view(addr, size, slot, F_FLOATS, np.float64),
-        params, new, trie_from, cal, prior, stats, tok, _view(addr, size, slot, F_PREV, np.int32),
-        _view(addr, size, slot, F_HASHES, np.uint64), _view(addr, size, slot, F_KEYS, np.uint64),
-        _view(addr, size, slot, F_LENS, np.int8), _view2(addr, size, slot, F_VALS, 2, np.int32),
-        st, cols, edges, runs, meta, _view(addr, size, slot, F_TSTATE, np.int32))
+        params, new, trie_from, cal, prior, stats, _view(addr, size, slot, F_TOK, np.int32),
+        _view(addr, size, slot, F_PREV, np.int32), _view(addr, size, slot, F_HASHES, np.uint64),
+        _view2(addr, size, slot, F_TABLE, 2, np.uint64), _view(addr, size, slot, F_ST, np.int64),
+        cols, edges, runs, meta, _view(addr, size, slot, F_TSTATE, np.int32))
 
 
 @njit(cache=True)
