@@ -182,6 +182,40 @@ def test_deterministic(backend: str):
 
 
 @backends
+def test_commits_reach_the_trie_before_any_reader_even_after_stop(backend: str):
+    # The production drafter queues commits until the next propose (kernels/step.py): reading
+    # the trie, or a stopped request's last commit, must still see them.
+    drafter = new_drafter(backend)
+    drafter.start("a", [1, 2, 3])
+    drafter.commit("a", [4, 5])
+    drafter.start("b", [7, 8])
+    drafter.commit("b", [9])
+    drafter.stop("b")
+    assert drafter.trie.lookup([3, 4, 5]) >= 0
+    assert drafter.trie.lookup([7, 8, 9]) >= 0
+    assert drafter.stats()["num_requests"] == 1
+
+
+def test_many_queued_commits_grow_the_context_like_eager_ones():
+    # Hundreds of tokens committed with no propose between: the context index grows (arrays and
+    # hash table) while its appends wait in the queue; the trees must still equal the reference's.
+    distinct = [(i * 7919) % 1009 + 1 for i in range(600)]  # every window new: the table fills
+    tokens = distinct + distinct[100:150]  # then a repeat to copy from
+    trees = []
+    for backend in ("reference", "production"):
+        drafter = new_drafter(backend)
+        drafter.start("r", tokens[:5])
+        drafter.start("s", tokens[3:9])
+        for at in range(5, len(tokens), 50):
+            drafter.commit("r", tokens[at:at + 50])
+            drafter.commit("s", tokens[at + 1:at + 40])
+        out = drafter.propose(["r", "s"], [11, 11])
+        trees.append([(t.token_ids, t.parents, t.sources) for t in out])
+    assert trees[0] == trees[1]
+    assert all(len(t[0]) > 1 for t in trees[1])
+
+
+@backends
 def test_reset_clears_learning_but_keeps_corpora(backend: str):
     corpora = StubCorpora({"c": [[1, 2, 3]]})
     drafter = new_drafter(backend, corpora)

@@ -2,7 +2,9 @@
 
 Replays recorded greedy streams (data/streams/*.jsonl) with 1, 16 and 64 requests interleaved and
 reports the median µs per request-step of commit + propose (d = 12 unless overridden), plus the
-memory of the global trie the replay built. Each replay runs `--repeats` times with a fresh
+memory of the global trie the replay built. Our drafter queues its commits and runs them inside
+the next propose (one call per step), so its work shows in the propose column; prompt insertions
+queued at start run there too. Each replay runs `--repeats` times with a fresh
 drafter and the fastest run's medians are reported (as timeit does: on a shared machine noise only
 ever adds time; the runs' medians on this 2-core VM differ by up to 30%); every run's median is in
 the JSON. Memory is in bytes per live node, measured two ways:
