@@ -131,7 +131,7 @@ class ReferenceDrafter:
         if budget <= 0:
             return DraftTree(tokens, parents, probs, sources), evidence
         heap: list = []
-        seq = self._push_children(heap, 0, 0, 1.0, self._root_cursors(req, sams))
+        seq = self._push_children(heap, 0, 0, 1.0, self._root_cursors(req, sams), budget)
         while heap and len(tokens) <= budget:
             neg_prob, _, parent, token, source, cursors, proof = heapq.heappop(heap)
             if -neg_prob < self.config.min_path_prob:
@@ -144,17 +144,20 @@ class ReferenceDrafter:
             evidence.append(proof)
             self._counts[source] += 1
             if len(tokens) <= budget:  # children of the last node could never be placed
-                seq = self._push_children(heap, seq, slot, -neg_prob, cursors)
+                seq = self._push_children(heap, seq, slot, -neg_prob, cursors,
+                                          budget + 1 - len(tokens))
         return DraftTree(tokens, parents, probs, sources), evidence
 
     def _push_children(
-        self, heap: list, seq: int, slot: int, prob: float, cursors: list[Cursor]
+        self, heap: list, seq: int, slot: int, prob: float, cursors: list[Cursor], room: int
     ) -> int:
-        """Merge every cursor's continuations by token and push one candidate per token."""
+        """Merge every cursor's continuations by token and push one candidate per token. A
+        cursor offers at most `room` (the nodes the tree can still take) continuations."""
+        limit = min(self.config.max_bfs_breadth, room)
         merged: dict[int, list] = {}  # token -> [estimate, source, child cursors, evidence]
         estimate = self.calibrator.estimate
         for source, handle, length in cursors:
-            for token, child, count, total in self._continuations(source, handle):
+            for token, child, count, total in self._continuations(source, handle, limit):
                 raw = count / (total + 1)
                 cls = 2 * source + (total <= 1)  # the evidence class (calibration.py)
                 est = estimate(cls, length, raw)
@@ -172,9 +175,9 @@ class ReferenceDrafter:
             seq += 1
         return seq
 
-    def _continuations(self, source: int, handle) -> list[tuple[int, object, int, int]]:
-        """(token, child handle, count, total occurrences) of one cursor, best first."""
-        limit = self.config.max_bfs_breadth
+    def _continuations(self, source: int, handle,
+                       limit: int) -> list[tuple[int, object, int, int]]:
+        """(token, child handle, count, total occurrences) of one cursor, best `limit` first."""
         if source == CONTEXT:
             context, ends, offset = handle
             groups = context.continuations(ends, offset)

@@ -252,8 +252,11 @@ def _split_ends(pool, start, num, groups, g, take, counts) -> None:
 
 @njit(cache=True)
 def _push_children(cols, tok, n_tok, factor, calibrate, params, bank, s_cur, s_raw, s_cand,
-                   s_cand_f, heap, pool, groups, counts, slot, prob, head) -> None:
-    limit = params[P_LIMIT]
+                   s_cand_f, heap, pool, groups, counts, slot, prob, head, room) -> None:
+    """Each cursor offers its best min(breadth, room) continuations, `room` being the nodes the
+    tree can still take: a cursor ranks its continuations by one calibrated factor times a
+    decreasing raw estimate, so its r-th can only be placed after its r - 1 better ones."""
+    limit = min(params[P_LIMIT], room)
     first_cand = counts[N_CAND]
     c = head
     while c != -1:
@@ -384,7 +387,7 @@ def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, min_path_prob
     head = _root_cursors(cols, edges, tmeta, tstate, r_ints[R_TRIE_START], tok, prev, cst,
                          params, bank, s_cur, pool, counts)
     _push_children(cols, tok, n_tok, factor, calibrate, params, bank, s_cur, s_raw, s_cand,
-                   s_cand_f, heap, pool, groups, counts, 0, 1.0, head)
+                   s_cand_f, heap, pool, groups, counts, 0, 1.0, head, budget)
     n, e = 1, 0
     while counts[N_HEAP] > 0 and n <= budget:
         k = _heap_pop(heap, counts, s_cand_f)
@@ -405,6 +408,6 @@ def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, min_path_prob
         if n <= budget:  # children of the last node could never be placed
             _push_children(cols, tok, n_tok, factor, calibrate, params, bank, s_cur, s_raw,
                            s_cand, s_cand_f, heap, pool, groups, counts, n - 1, prob,
-                           s_cand[K_HEAD, k])
+                           s_cand[K_HEAD, k], budget + 1 - n)
     r_ints[R_PENDING] = n
     return n
