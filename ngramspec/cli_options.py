@@ -22,6 +22,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "(default): gguf for a GGUF model on the CPU unless --dtype is given")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="K/V storage (auto: the activations' dtype; bfloat16 with --quantization gguf)")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "triton"],
+                   help="auto: the C++ kernel on the CPU, Triton on CUDA (SDPA where missing)")
     g.add_argument("--max-model-len", type=int, default=4096)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -64,7 +66,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     spec = None if args.speculative in (None, "none") else args.speculative
     return dict(model=args.model, device=args.device, dtype=args.dtype,
                 quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                attention_backend=args.attention_backend, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), num_threads=args.threads,
                 tensor_parallel_size=args.tensor_parallel_size,

@@ -26,6 +26,10 @@ class EngineConfig:
     # the bytes that long-context attention streams; its quality is in `bench quality`).
     # bfloat16 under float32 activations needs the CPU attention kernel.
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # Attention over the paged K/V cache: "auto" = the C++ kernel on the CPU (SDPA where it
+    # cannot build), the Triton kernel on CUDA where triton is installed (else SDPA); "sdpa" =
+    # PyTorch SDPA with explicit masks (the reference); "triton" = layers/triton_attention.py.
+    attention_backend: Literal["auto", "sdpa", "triton"] = "auto"
     max_model_len: int = 4096
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
@@ -68,6 +72,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"EngineConfig.kv_cache_dtype={self.kv_cache_dtype!r}: "
                              "use auto, float32 or bfloat16")
+        if self.attention_backend not in ("auto", "sdpa", "triton"):
+            raise ValueError(f"EngineConfig.attention_backend={self.attention_backend!r}: "
+                             "use auto, sdpa or triton")
         if self.speculative not in (None, "ngram"):
             raise ValueError(f"EngineConfig.speculative={self.speculative!r}: use None or 'ngram'")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):

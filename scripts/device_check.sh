@@ -40,25 +40,35 @@ NG="$PY -m ngramspec"
 QUESTIONS="${QUESTIONS:-$PWD/.model/b/question.jsonl}"  # staged: ../shared does not travel
 [ -f "$QUESTIONS" ] || QUESTIONS=/work/shared/data/spec_bench/question.jsonl
 
+ATTN=auto
+if [ "$DEVICE" = cuda ]; then
+  log "triton attention smoke check"  # a broken Triton kernel must not cost the benchmarks
+  if ! timeout 120 $PY -m ngramspec generate --device cuda --attention-backend triton \
+      --max-tokens 8 "Hello" >> "$OUT/log.txt" 2>&1; then
+    ATTN=sdpa; log "triton attention FAILED: benchmarks use --attention-backend sdpa"
+  fi
+fi
 log "tests"
 if [ "$DEVICE" = cuda ]; then
   timeout 180 $PY -m pytest -q -m gpu tests/test_cuda.py -p no:cacheprovider -s \
     > "$OUT/tests.txt" 2>&1; echo "rc=$?" >> "$OUT/tests.txt"
 fi
 log "bench engine"
-timeout 80 $NG bench engine --device "$DEVICE" --prompts "$QUESTIONS" --num-prompts 4 \
+timeout 80 $NG bench engine --device "$DEVICE" --attention-backend "$ATTN" \
+  --prompts "$QUESTIONS" --num-prompts 4 \
   --concurrency "$CONC_HI" --max-tokens "$TOKENS" --hf-sequential-from-b1 --json \
   > "$OUT/engine.json" 2>> "$OUT/log.txt"
 for wl in code_edit spec_bench; do
   for c in 1 "$CONC_HI"; do
     log "bench speed $wl c=$c"
-    timeout 55 $NG bench speed --device "$DEVICE" --workload "$wl" --concurrency "$c" \
+    timeout 55 $NG bench speed --device "$DEVICE" --attention-backend "$ATTN" \
+      --workload "$wl" --concurrency "$c" \
       --limit "$(limit "$wl" "$c")" --max-tokens "$TOKENS" --spec-bench-path "$QUESTIONS" --skip-hf \
       --skip-verify-cost --json > "$OUT/speed_${wl}_c${c}.json" 2>> "$OUT/log.txt"
   done
 done
 log "summary"
-$PY - "$OUT" <<'PY' > "$OUT/summary.json"
+$PY - "$OUT" "$ATTN" <<'PY' > "$OUT/summary.json"
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
 def load(name):
@@ -83,6 +93,7 @@ s["checks"] = {
     f"spec_bench_spec_speedup_c{hi}": overall(f"speed_spec_bench_c{hi}", "speedup"),
     "spec_mismatches": sum(overall(k, "spec_mismatches") or 0 for k in s if k.startswith("speed_")),
     "tests": tests[-1] if tests else None,
+    "attention_backend": sys.argv[2],
 }
 print(json.dumps(s, indent=1))
 PY

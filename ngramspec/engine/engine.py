@@ -75,7 +75,8 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(self.model_cfg, load_state_dict(model_dir), num_slots,
                                       self.max_model_len, dtype, device,
-                                      self._gguf_weights(config), config.torch_kv_dtype)
+                                      self._gguf_weights(config), config.torch_kv_dtype,
+                                      attention_backend=config.attention_backend)
         self.scheduler = Scheduler(num_slots, config.max_num_seqs, config.max_num_batched_tokens,
                                    prefix_cache=config.enable_prefix_caching)
         # A sequence longer than the whole cache could never be rescheduled (it would wait forever),

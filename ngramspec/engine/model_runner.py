@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import bisect
+import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,23 +39,24 @@ class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, state: dict[str, torch.Tensor], num_slots: int,
                  max_model_len: int, dtype: torch.dtype, device: torch.device,
                  gguf_weights: dict | None = None, kv_dtype: torch.dtype | None = None,
-                 all_reduce: Callable[[torch.Tensor], None] | None = None) -> None:
+                 all_reduce: Callable[[torch.Tensor], None] | None = None,
+                 attention_backend: str = "auto") -> None:
         """`gguf_weights` ({HF name: GGUFWeight}): matrices to run from their GGUF blocks;
         `kv_dtype`: the K/V cache's dtype (default: `dtype`); `all_reduce`: sums a tensor over
         the tensor-parallel ranks in place (engine/parallel.py; `model_cfg` is then this rank's
-        slice)."""
+        slice); `attention_backend`: EngineConfig.attention_backend."""
         self.device, self.dtype = device, dtype
         self.all_reduce = all_reduce
         self.model_cfg = model_cfg
         self.max_model_len = max_model_len
-        # The CPU kernel reads K/V in place and is batch-invariant; SDPA stays for CUDA.
-        self.paged = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-                      and kernels_available())
+        self.attention = _attention_backend(attention_backend, device, dtype)
+        # The CPU and Triton kernels read K/V in place from PagedMetadata; SDPA needs groups.
+        self.paged = self.attention != "sdpa"
         self.model = self._build(state, gguf_weights)
         kv_dtype = kv_dtype or dtype
         if kv_dtype != dtype and not self.paged:
             raise ValueError(f"a {kv_dtype} KV cache under {dtype} activations needs the CPU "
-                             "attention kernel; use the same dtype on this device")
+                             "or Triton attention kernel; use the same dtype on this device")
         self.cache = KVCache(model_cfg.num_layers, num_slots, model_cfg.num_kv_heads,
                              model_cfg.head_dim, kv_dtype, device)
         self._causal: dict[int, torch.Tensor] = {}
@@ -67,9 +70,13 @@ class ModelRunner:
         model.rope.to(torch.float32)  # keep cos/sin exact; they are cast per use
         if gguf_weights:
             model.use_gguf_weights(gguf_weights)
-        if self.paged:
+        if self.attention == "cpu":
             model.attention = PagedAttention()
             model.use_cpu_kernels(cpu_kernels())
+        elif self.attention == "triton":
+            from ngramspec.layers.triton_attention import TritonPagedAttention
+
+            model.attention = TritonPagedAttention()
         if self.all_reduce is not None:
             model.use_all_reduce(self.all_reduce)
         pack_linears(model)
@@ -107,14 +114,15 @@ class ModelRunner:
             offset += len(it.token_ids)
         slot_mapping = torch.tensor(flat_slots, device=dev)
         groups = [] if self.paged else self._groups(items)
-        meta = AttentionMetadata(slot_mapping, groups, self._paged(items) if self.paged else None)
+        meta = AttentionMetadata(slot_mapping, groups,
+                                 self._paged(items, dev) if self.paged else None)
         # dtype is explicit: a step of mid-prompt chunks only needs no logits, and an empty
         # tensor would default to float, which cannot index.
         return (torch.tensor(flat_ids, device=dev), torch.tensor(flat_pos, device=dev), meta,
                 torch.tensor(logit_rows, dtype=torch.long, device=dev))
 
     @staticmethod
-    def _paged(items: list[ForwardItem]) -> PagedMetadata:
+    def _paged(items: list[ForwardItem], device: torch.device) -> PagedMetadata:
         """Each sequence's prefix slots and, for a tree, each token's visible query-token slots
         in position order (its ancestors and itself, which precede it in the tree's best-first
         order). A causal item's lists are implied (token i sees the item's slots 0..i)."""
@@ -122,7 +130,9 @@ class ModelRunner:
         prefix: list[int] = []
         local: list[int] = []
         causal: list[int] = []
-        for it in items:
+        token_seq: list[int] = []
+        for b, it in enumerate(items):
+            token_seq += [b] * len(it.token_ids)
             seq_offsets.append(seq_offsets[-1] + len(it.token_ids))
             prefix += it.prefix_slots
             prefix_offsets.append(len(prefix))
@@ -130,9 +140,12 @@ class ModelRunner:
             for row in it.local_mask or [[]] * len(it.token_ids):
                 local += [s for s, seen in zip(it.slots, row) if seen]
                 local_offsets.append(len(local))
-        t = torch.tensor
+        def t(values: list[int], dtype: torch.dtype | None = None) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
         return PagedMetadata(t(seq_offsets), t(prefix, dtype=torch.long), t(prefix_offsets),
-                             t(local, dtype=torch.long), t(local_offsets), t(causal))
+                             t(local, dtype=torch.long), t(local_offsets), t(causal),
+                             t(token_seq, dtype=torch.long))
 
     def _groups(self, items: list[ForwardItem]) -> list[AttentionGroup]:
         """SDPA groups: sequences padded together by query-length class."""
@@ -207,6 +220,23 @@ class ModelRunner:
         if n not in self._causal:
             self._causal[n] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
         return self._causal[n]
+
+
+def _attention_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """"cpu" (the C++ kernel), "triton" or "sdpa" for EngineConfig.attention_backend."""
+    if requested == "sdpa":
+        return "sdpa"
+    if requested == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError("attention_backend='triton' needs the triton package")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention_backend='triton' runs on CUDA (on the CPU only under "
+                             "TRITON_INTERPRET=1, for tests)")
+        return "triton"
+    if device.type == "cpu":
+        cpu_ok = dtype in (torch.float32, torch.bfloat16) and kernels_available()
+        return "cpu" if cpu_ok else "sdpa"
+    return "triton" if importlib.util.find_spec("triton") is not None else "sdpa"
 
 
 # Query-length classes padded together (class = bisect_left(limits, n)): single-token decodes,

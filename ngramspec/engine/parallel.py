@@ -111,7 +111,8 @@ def _build_runner(config: EngineConfig, rank: int, world: int, num_slots: int,
     state = shard_state_dict(load_state_dict(model_dir), cfg, rank, world)
     return ModelRunner(shard_config(cfg, world), state, num_slots, max_model_len,
                        config.torch_dtype, _rank_device(config, rank), None,
-                       config.torch_kv_dtype, all_reduce=_all_reduce if world > 1 else None)
+                       config.torch_kv_dtype, all_reduce=_all_reduce if world > 1 else None,
+                       attention_backend=config.attention_backend)
 
 
 def _all_reduce(x: torch.Tensor) -> None:
