@@ -11,7 +11,7 @@ stores, so an address never outlives its array; `set` is the only way in or out.
 list of arrays was the alternative: unboxing one costs ~1.3 µs and reading an item ~45 ns, one
 list per field per step and one item per field and request; reading an address here costs ~1 ns.)
 
-Queued operations are rows (slot, new tokens, trie start): append that many tokens (taken in
+Queued operations are triples (slot, new tokens, trie start): append that many tokens (taken in
 order from one token array) to the request's context, learning first from its pending tree, then
 count the n-grams ending at the positions from trie start (-1: the first new token) in the trie.
 A request's start queues (slot, 0, where its prompt begins).
@@ -34,7 +34,7 @@ NUM_FIELDS = 9
 FIELD_DTYPES = (np.int32, np.int32, np.uint64, np.uint64, np.int64, np.int32, np.int64,
                 np.float64, np.int64)
 FIELD_COLUMNS = (0, 0, 0, 2, 0, 0, 0, 0, 3)
-O_SLOT, O_COUNT, O_TRIE_FROM = range(3)  # columns of a queued operation
+O_SLOT, O_COUNT, O_TRIE_FROM = range(3)  # fields of a queued operation (flat triples)
 
 
 class RequestTable:
@@ -116,12 +116,13 @@ def _apply_one(addr, size, slot, new, trie_from, params, cal, prior, stats, cols
 @njit(cache=True)
 def apply_queue(ops, tokens, addr, size, params, cal, prior, stats, cols, edges, runs,
                 meta) -> int:
-    """Run the queued operations in order; 0, or -2 when the trie was not grown first (a bug)."""
+    """Run the queued operations (flat triples) in order; 0, or -2 when the trie was not grown
+    first (a bug)."""
     at = 0
-    for i in range(ops.shape[0]):
-        count = ops[i, O_COUNT]
-        failed = _apply_one(addr, size, ops[i, O_SLOT], tokens[at:at + count],
-                            ops[i, O_TRIE_FROM], params, cal, prior, stats, cols, edges, runs,
+    for i in range(0, ops.shape[0], 3):
+        count = ops[i + O_COUNT]
+        failed = _apply_one(addr, size, ops[i + O_SLOT], tokens[at:at + count],
+                            ops[i + O_TRIE_FROM], params, cal, prior, stats, cols, edges, runs,
                             meta)
         if failed:
             return failed
@@ -130,22 +131,23 @@ def apply_queue(ops, tokens, addr, size, params, cal, prior, stats, cols, edges,
 
 
 @njit(cache=True)
-def propose(ops, tokens, slots, budgets, out, out_p, addr, size, params, min_path_prob, cal,
-            prior, stats, s_ints, s_floats, cols, edges, runs, meta, states, trans, corpus_edges,
-            roots) -> int:
-    """The queue, then one tree per (slot, budget). Row i of `out` gets the node count, then
-    the tokens, parents and sources (nodes columns each); `out_p` row i the path probabilities.
-    The request's own buffers keep the tree and its evidence for the commit that follows."""
+def propose(ops, tokens, batch, out, out_p, addr, size, params, min_path_prob, cal, prior, stats,
+            s_ints, s_floats, cols, edges, runs, meta, states, trans, corpus_edges, roots) -> int:
+    """The queue, then one tree per request of `batch` (its slots, then their budgets). Row i
+    of `out` gets the node count, then the tokens, parents and sources (nodes columns each);
+    `out_p` row i the path probabilities. The request's own buffers keep the tree and its
+    evidence for the commit that follows."""
     failed = apply_queue(ops, tokens, addr, size, params, cal, prior, stats, cols, edges, runs,
                          meta)
     if failed:
         return failed
     nodes = params[bk.P_NODES]
-    for i in range(slots.shape[0]):
-        slot = slots[i]
+    num = batch.shape[0] // 2
+    for i in range(num):
+        slot = batch[i]
         r_ints = _view(addr, size, slot, F_INTS, np.int64)
         r_floats = _view(addr, size, slot, F_FLOATS, np.float64)
-        params[bk.P_BUDGET] = budgets[i]
+        params[bk.P_BUDGET] = batch[num + i]
         bank = (states, trans, corpus_edges, roots,
                 _view2(addr, size, slot, F_MATCHES, 3, np.int64))
         n = bk.build(cols, edges, meta, _view(addr, size, slot, F_TSTATE, np.int32),
