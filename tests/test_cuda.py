@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from attention_cases import CASES, check_against_sdpa
 
 from ngramspec import LLM, SamplingParams
 from ngramspec.engine.model_runner import ForwardItem
@@ -30,6 +31,12 @@ def _repetitive_prompts(n: int, vocab: int) -> list[list[int]]:
         base = [rng.randrange(3, vocab) for _ in range(24)]
         out.append(base + base[:12] + base)  # copies give the drafter something to propose
     return out
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,dtype", CASES)
+def test_triton_attention_matches_sdpa_on_cuda(heads, kv_heads, head_dim, dtype):
+    pytest.importorskip("triton")
+    check_against_sdpa(heads, kv_heads, head_dim, dtype, torch.device("cuda"))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

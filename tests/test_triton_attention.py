@@ -29,6 +29,7 @@ def test_triton_kernel_under_the_interpreter():
         pytest.skip("no triton (make installs it into .venv/triton-site)")
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-x", "-p", "no:cacheprovider", str(CHECKS)],
-        cwd=Path(__file__).parent.parent, env=env, capture_output=True, text=True, timeout=1200)
+        cwd=Path(__file__).parent.parent, env=env, capture_output=True, text=True, timeout=1200,
+        check=False)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]

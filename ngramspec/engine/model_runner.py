@@ -130,9 +130,7 @@ class ModelRunner:
         prefix: list[int] = []
         local: list[int] = []
         causal: list[int] = []
-        token_seq: list[int] = []
-        for b, it in enumerate(items):
-            token_seq += [b] * len(it.token_ids)
+        for it in items:
             seq_offsets.append(seq_offsets[-1] + len(it.token_ids))
             prefix += it.prefix_slots
             prefix_offsets.append(len(prefix))
@@ -145,7 +143,7 @@ class ModelRunner:
 
         return PagedMetadata(t(seq_offsets), t(prefix, dtype=torch.long), t(prefix_offsets),
                              t(local, dtype=torch.long), t(local_offsets), t(causal),
-                             t(token_seq, dtype=torch.long))
+                             max((len(it.token_ids) for it in items), default=1))
 
     def _groups(self, items: list[ForwardItem]) -> list[AttentionGroup]:
         """SDPA groups: sequences padded together by query-length class."""

@@ -1,11 +1,14 @@
 """Attention over the paged KV cache in one Triton kernel (the CUDA path).
 
-It reads the same `PagedMetadata` as the CPU kernel (layers/attention.py): every query token's
-ordered key list is its sequence's cached prefix, then its own visible query-token slots (its tree
-ancestors and itself, or the causal run of its chunk). One program per (query token, KV head)
-walks that list in blocks with an online softmax, computing the group's query heads together, so
-K/V are read in place by slot: no padding, no gather copy, no [queries x keys] mask built per
-sequence. Scores and sums are float32 whatever the cache dtype.
+It reads the same `PagedMetadata` as the CPU kernel (layers/attention.py): every query token sees its
+sequence's cached prefix, then its own visible query-token slots (its tree ancestors and itself,
+or the causal run of its chunk). One program per (sequence, KV head, block of 16 of its query
+tokens) computes all of their rows (token x the group's query heads) together, so each key block
+is loaded once for the whole tree or chunk block, with an online softmax over blocks of 32 keys:
+K/V read in place by slot, no padding, no gather copy, no [queries x keys] mask built per sequence.
+A tree row's visible query tokens are matched by slot against its own list (tree depth
+comparisons per key block). Everything is float32: products are TF32 tensor-core dots for a bf16
+cache (its values are exact in TF32) and full-precision ones for a float32 cache.
 
 Without a GPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1), which is how
 tests/test_triton_attention.py checks it against the SDPA reference on the CPU.
@@ -19,71 +22,99 @@ import triton.language as tl
 
 from ngramspec.layers.attention import AttentionMetadata, KVCache
 
+BLOCK_QUERIES = 16  # query tokens of one sequence per program: they share every key load
 BLOCK_KEYS = 32
 
 
 @triton.jit
-def _attend(q, k_cache, v_cache, slots, valid, kv_head, stride_ks, stride_kh, d, d_valid,
-            m_i, l_i, acc, scale):
-    """Fold one block of keys into the running softmax of the group's query heads."""
-    kv_mask = valid[:, None] & d_valid[None, :]
+def _attend(q, k_cache, v_cache, slots, visible, kv_head, stride_ks, stride_kh, d, d_valid,
+            m_i, l_i, acc, scale, PRECISE: tl.constexpr):
+    """Fold one block of keys into the running softmax of every (query token, head) row."""
+    key_valid = tl.max(visible.to(tl.int32), axis=0) > 0  # [N]: some row sees the key
+    kv_mask = key_valid[:, None] & d_valid[None, :]
     at = slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
     k = tl.load(k_cache + at, mask=kv_mask, other=0.0).to(tl.float32)  # [N, D]
     v = tl.load(v_cache + at, mask=kv_mask, other=0.0).to(tl.float32)  # [N, D]
-    s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, N]
-    s = tl.where(valid[None, :], s, float("-inf"))
+    # A bf16 cache's values are exact in TF32, so TF32 tensor cores lose nothing on them; a
+    # float32 cache gets full-precision products.
+    if PRECISE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision="tf32")
+    s = tl.where(visible, s * scale, float("-inf"))  # [M, N]
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    p = tl.exp(s - m_new[:, None])  # [G, N]
+    p = tl.exp(s - m_new[:, None])  # [M, N]
     alpha = tl.exp(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # [G, D]
+    if PRECISE:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p, v, input_precision="tf32")
+    acc = acc * alpha[:, None] + pv  # [M, D]
     return m_new, l_i, acc
 
 
 @triton.jit
-def _paged_attention(q_ptr, k_cache, v_cache, out_ptr, slot_mapping, token_seq, seq_offsets,
-                     prefix, prefix_offsets, local, local_offsets, causal, stride_qt, stride_qh,
+def _paged_attention(q_ptr, k_cache, v_cache, out_ptr, slot_mapping, seq_offsets, prefix,
+                     prefix_offsets, local, local_offsets, causal, stride_qt, stride_qh,
                      stride_ks, stride_kh, stride_ot, scale, GROUP: tl.constexpr,
                      GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    t = tl.program_id(0)
+                     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE: tl.constexpr):
+    b = tl.program_id(0)
     kv_head = tl.program_id(1)
-    b = tl.load(token_seq + t)
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, DIM_PAD)
-    g_valid = g < GROUP
-    d_valid = d < HEAD_DIM
-    heads = kv_head * GROUP + g
-    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=g_valid[:, None] & d_valid[None, :], other=0.0).to(tl.float32)  # [G, D]
-    # Finite start: a block whose keys are all masked leaves the state as it was.
-    m_i = tl.full([GROUP_PAD], -1e30, tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    n = tl.arange(0, BLOCK)
-    lo = tl.load(prefix_offsets + b)
-    hi = tl.load(prefix_offsets + b + 1)
-    for start in range(lo, hi, BLOCK):
-        valid = start + n < hi
-        slots = tl.load(prefix + start + n, mask=valid, other=0)
-        m_i, l_i, acc = _attend(q, k_cache, v_cache, slots, valid, kv_head, stride_ks,
-                                stride_kh, d, d_valid, m_i, l_i, acc, scale)
-    if tl.load(causal + b) != 0:  # the chunk's tokens up to this one
-        lo = tl.load(seq_offsets + b)
-        hi = t + 1
-        keys = slot_mapping
-    else:  # the token's own list: its tree ancestors and itself
-        lo = tl.load(local_offsets + t)
-        hi = tl.load(local_offsets + t + 1)
-        keys = local
-    for start in range(lo, hi, BLOCK):
-        valid = start + n < hi
-        slots = tl.load(keys + start + n, mask=valid, other=0)
-        m_i, l_i, acc = _attend(q, k_cache, v_cache, slots, valid, kv_head, stride_ks,
-                                stride_kh, d, d_valid, m_i, l_i, acc, scale)
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + t * stride_ot + heads[:, None] * HEAD_DIM + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=g_valid[:, None] & d_valid[None, :])
+    first = tl.program_id(2) * BLOCK_Q  # this block's first query token in the sequence
+    start_tok = tl.load(seq_offsets + b)
+    num_q = tl.load(seq_offsets + b + 1) - start_tok
+    if first < num_q:
+        # Rows are (query token, head of the group) pairs: M = BLOCK_Q * GROUP_PAD.
+        r = tl.arange(0, BLOCK_Q * GROUP_PAD)
+        qi = first + r // GROUP_PAD
+        g = r % GROUP_PAD
+        row_valid = (qi < num_q) & (g < GROUP)
+        tok = start_tok + qi
+        d = tl.arange(0, DIM_PAD)
+        d_valid = d < HEAD_DIM
+        head = kv_head * GROUP + g
+        q_mask = row_valid[:, None] & d_valid[None, :]
+        q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=q_mask, other=0.0).to(tl.float32)  # [M, D]
+        # Finite start: a block with no key visible to a row leaves that row as it was.
+        m_i = tl.full([BLOCK_Q * GROUP_PAD], -1e30, tl.float32)
+        l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+        acc = tl.zeros([BLOCK_Q * GROUP_PAD, DIM_PAD], tl.float32)
+        n = tl.arange(0, BLOCK_N)
+        lo = tl.load(prefix_offsets + b)
+        hi = tl.load(prefix_offsets + b + 1)
+        for at in range(lo, hi, BLOCK_N):  # the cached prefix: every row sees all of it
+            key_valid = at + n < hi
+            slots = tl.load(prefix + at + n, mask=key_valid, other=0)
+            visible = row_valid[:, None] & key_valid[None, :]
+            m_i, l_i, acc = _attend(q, k_cache, v_cache, slots, visible, kv_head, stride_ks,
+                                    stride_kh, d, d_valid, m_i, l_i, acc, scale, PRECISE)
+        # The sequence's query tokens: the causal run up to each row's token, or the row's own
+        # list (tree ancestors and itself) matched by slot.
+        is_causal = tl.load(causal + b) != 0
+        own_lo = tl.load(local_offsets + tok, mask=row_valid, other=0)
+        own_len = tl.load(local_offsets + tok + 1, mask=row_valid, other=0) - own_lo
+        longest = tl.max(own_len, axis=0)
+        last = tl.minimum(num_q, first + BLOCK_Q)  # no row of this block sees a later token
+        for at in range(0, last, BLOCK_N):
+            j = at + n
+            key_valid = j < last
+            slots = tl.load(slot_mapping + start_tok + j, mask=key_valid, other=0)
+            if is_causal:
+                visible = j[None, :] <= qi[:, None]
+            else:
+                visible = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_N], tl.int1)
+                for k in range(longest):
+                    seen = tl.load(local + own_lo + k, mask=row_valid & (k < own_len), other=-1)
+                    visible = visible | (seen[:, None] == slots[None, :])
+            visible = visible & row_valid[:, None] & key_valid[None, :]
+            m_i, l_i, acc = _attend(q, k_cache, v_cache, slots, visible, kv_head, stride_ks,
+                                    stride_kh, d, d_valid, m_i, l_i, acc, scale, PRECISE)
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * HEAD_DIM + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 class TritonPagedAttention:
@@ -95,7 +126,7 @@ class TritonPagedAttention:
     ) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KVH, D] -> out [T, H * D]
         p = meta.paged
-        assert p is not None and p.token_seq is not None, "needs PagedMetadata with token_seq"
+        assert p is not None, "TritonPagedAttention needs AttentionMetadata.paged"
         k_cache, v_cache = cache.k[layer], cache.v[layer]  # [slots, KVH, D]
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
@@ -105,10 +136,14 @@ class TritonPagedAttention:
         out = q.new_empty(num_tokens, num_heads * head_dim)
         if num_tokens == 0:
             return out
-        _paged_attention[(num_tokens, num_kv_heads)](
-            q, k_cache, v_cache, out, meta.slot_mapping, p.token_seq, p.seq_offsets, p.prefix,
+        assert q.stride(2) == 1 and k_cache.stride(2) == 1
+        grid = (p.seq_offsets.shape[0] - 1, num_kv_heads, triton.cdiv(p.max_query_len,
+                                                                      BLOCK_QUERIES))
+        _paged_attention[grid](
+            q, k_cache, v_cache, out, meta.slot_mapping, p.seq_offsets, p.prefix,
             p.prefix_offsets, p.local, p.local_offsets, p.causal, q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), out.stride(0), head_dim ** -0.5,
             GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim,
-            DIM_PAD=triton.next_power_of_2(head_dim), BLOCK=BLOCK_KEYS)
+            DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=BLOCK_QUERIES,
+            BLOCK_N=BLOCK_KEYS, PRECISE=k_cache.dtype == torch.float32)
         return out
