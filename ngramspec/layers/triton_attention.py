@@ -105,7 +105,7 @@ def _paged_attention(q_ptr, k_cache, v_cache, out_ptr, slot_mapping, seq_offsets
             if is_causal:
                 visible = j[None, :] <= qi[:, None]
             else:
-                visible = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_N], tl.int1)
+                visible = (qi[:, None] < 0) & (j[None, :] < 0)  # all False, [M, N]
                 for k in range(longest):
                     seen = tl.load(local + own_lo + k, mask=row_valid & (k < own_len), other=-1)
                     visible = visible | (seen[:, None] == slots[None, :])
