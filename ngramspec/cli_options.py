@@ -66,7 +66,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     spec = None if args.speculative in (None, "none") else args.speculative
     return dict(model=args.model, device=args.device, dtype=args.dtype,
                 quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                attention_backend=args.attention_backend, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                attention_backend=args.attention_backend,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), num_threads=args.threads,
                 tensor_parallel_size=args.tensor_parallel_size,

@@ -44,7 +44,8 @@ ATTN=auto
 if [ "$DEVICE" = cuda ]; then
   log "triton attention smoke check"  # a broken Triton kernel must not cost the benchmarks
   if ! timeout 120 $PY -m ngramspec generate --device cuda --attention-backend triton \
-      --max-tokens 8 "Hello" >> "$OUT/log.txt" 2>&1; then
+      --speculative ngram --max-tokens 32 "Repeat: one two three, one two three, one two" \
+      >> "$OUT/log.txt" 2>&1; then
     ATTN=sdpa; log "triton attention FAILED: benchmarks use --attention-backend sdpa"
   fi
 fi

@@ -164,8 +164,8 @@ def run_lockstep(data, config: dict, corpora: StubCorpora | None, steps: int) ->
     fast = NgramDrafter(DrafterConfig(**config), corpora)
     live: dict[str, list[int]] = {}
     for step in range(steps):
-        op = data.draw(st.sampled_from(["start", "step", "step", "step", "stop", "reset",
-                                        "flush", "reload", "corpora"]))
+        op = data.draw(st.sampled_from(["start", "step", "step", "step", "commit", "stop",
+                                        "reset", "flush", "reload", "corpora"]))
         if op == "start" or not live:
             rid = f"r{step}"
             prompt = data.draw(small_tokens)
@@ -173,8 +173,9 @@ def run_lockstep(data, config: dict, corpora: StubCorpora | None, steps: int) ->
             for d in (ref, fast):
                 d.start(rid, prompt, refs)
             live[rid] = data.draw(st.lists(st.integers(0, 5), min_size=12, max_size=12))
-        elif op == "step":
-            ids = list(live)
+        elif op == "step":  # some requests, in any order; some of them commit
+            ids = data.draw(st.lists(st.sampled_from(sorted(live)), min_size=1,
+                                     max_size=len(live), unique=True))
             budgets = data.draw(st.lists(st.integers(0, 12), min_size=len(ids),
                                          max_size=len(ids)))
             trees = ref.propose(ids, budgets)
@@ -182,7 +183,10 @@ def run_lockstep(data, config: dict, corpora: StubCorpora | None, steps: int) ->
             assert [tree_key(t) for t in trees] == [tree_key(t) for t in fast_trees]
             for tree in fast_trees:  # built without re-validation: check it here
                 DraftTree(*tree_key(tree))
-            for rid, tree in zip(ids, trees):
+            commits = data.draw(st.lists(st.booleans(), min_size=len(ids), max_size=len(ids)))
+            for rid, tree, commit in zip(ids, trees, commits):
+                if not commit and len(ids) > 1:
+                    continue  # its tree stays pending until it commits later
                 future = live[rid]
                 accepted = [tree.token_ids[i] for i in tree.accepted_nodes(future)]
                 emitted = accepted + [future[len(accepted)]] if len(accepted) < 12 else accepted
@@ -190,6 +194,13 @@ def run_lockstep(data, config: dict, corpora: StubCorpora | None, steps: int) ->
                     d.commit(rid, emitted)
                 live[rid] = future[len(emitted):] + data.draw(
                     st.lists(st.integers(0, 5), min_size=len(emitted), max_size=len(emitted)))
+        elif op == "commit":  # tokens without a draft (the prefill's token, a plain decode)
+            rid = data.draw(st.sampled_from(sorted(live)))
+            emitted = live[rid][:data.draw(st.integers(1, 3))]
+            for d in (ref, fast):
+                d.commit(rid, emitted)
+            live[rid] = live[rid][len(emitted):] + data.draw(
+                st.lists(st.integers(0, 5), min_size=len(emitted), max_size=len(emitted)))
         elif op == "stop":
             rid = data.draw(st.sampled_from(sorted(live)))
             for d in (ref, fast):
@@ -211,6 +222,10 @@ def run_lockstep(data, config: dict, corpora: StubCorpora | None, steps: int) ->
                 d.reset()
             live.clear()
     assert ref.stats() == fast.stats()
+    (ref_meta, ref_arrays), (fast_meta, fast_arrays) = ref.trie.to_arrays(), fast.trie.to_arrays()
+    assert ref_meta == fast_meta
+    assert {k: v.tolist() for k, v in ref_arrays.items()} == \
+        {k: v.tolist() for k, v in fast_arrays.items()}
 
 
 @settings(max_examples=60, deadline=None)
@@ -231,3 +246,39 @@ def test_drafters_identical_with_external_corpora(data, config, docs):
 def test_drafters_identical_with_several_corpora(data, config, corpora):
     """Several corpora read as one concatenated bank; snapshots change under live requests."""
     run_lockstep(data, config, StubCorpora(*corpora), 15)
+
+
+def _trie_lists(drafter) -> tuple:
+    meta, arrays = drafter.trie.to_arrays()
+    return meta, {k: v.tolist() for k, v in arrays.items()}
+
+
+def test_first_commits_without_prompt_insertion_evict_like_the_reference():
+    # Without prompt insertion a request's first commit must anchor on its prompt: the anchors
+    # pin the nodes it extends, so a full trie evicts the same nodes as the reference's.
+    config = DrafterConfig(capacity=8, max_trie_depth=3, insert_prompt=False)
+    ref, fast = ReferenceDrafter(config), NgramDrafter(config)
+    for d in (ref, fast):
+        d.start("r0", [3, 4])
+        d.start("r1", [2, 3, 3, 5])
+        d.commit("r0", [4, 0, 3, 5])
+        d.commit("r1", [4, 0, 2, 2])
+    assert _trie_lists(ref) == _trie_lists(fast)
+
+
+def test_a_corpus_change_keeps_the_pending_trees_of_requests_not_rebuilt():
+    # A request proposed before the corpora changed and committed after learns from its own tree.
+    corpora = StubCorpora([[1, 2, 3, 1, 2, 4]], [[2, 3, 9]])
+    ref, fast = ReferenceDrafter(DrafterConfig(), corpora), NgramDrafter(DrafterConfig(), corpora)
+    for d in (ref, fast):
+        d.start("a", [1, 2, 3, 1, 2])
+        d.start("b", [5, 1, 2, 3, 1, 2])
+    for d in (ref, fast):
+        d.propose(["a", "b"], [11, 11])
+        d.commit("a", [3, 1])
+    corpora.rotate()
+    for d in (ref, fast):
+        d.propose(["a"], [11])
+        d.commit("b", [3, 1, 2])
+    assert ref.stats() == fast.stats()
+    assert fast.stats()["sources"]["context"]["accepted"] > 1

@@ -53,7 +53,8 @@ def _metadata(seqs, causal: bool = False) -> tuple[torch.Tensor, PagedMetadata]:
     t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
     flags = t([int(causal)] * len(seqs))
     return t(slot_mapping), PagedMetadata(t(seq_off), t(prefix), t(prefix_off), t(local),
-                                          t(local_off), flags)
+                                          t(local_off), flags,
+                                          max((len(s) for _, s, _ in seqs), default=1))
 
 
 def _run(cache, seqs, q, k, v, causal: bool = False):

@@ -65,6 +65,7 @@ class _Request:
     ints: np.ndarray  # int64
     floats: np.ndarray  # float64: path probabilities first
     matches: np.ndarray  # int64 [corpora, 3]: the request's match in each corpus (kernels/sam)
+    layout: _Layout  # the layout its buffers follow (re-laid at its next build when stale)
 
     @property
     def trie_start(self) -> int:
@@ -97,6 +98,7 @@ class NgramDrafter:
         self._tokens: list[int] = []
         self._queued_positions = 0
         self._releasing: list[int] = []
+        self._queue_epoch = self._trie.epoch  # the trie's epoch when the first waiting op came
         # Config values read on every step, kept as plain attributes (a request-step is a few
         # µs, so even property and method-call overheads show).
         self._nodes = config.num_draft_tokens + 1
@@ -122,15 +124,15 @@ class NgramDrafter:
         trie_start = len(context)
         context.extend(prompt_ids)
         state = self._trie.new_state()
-        self._trie.sync(state)
-        layout = self._layout
-        req = _Request(self._table.take(), context, state,
-                       np.zeros(layout.request_ints, np.int64),
-                       np.zeros(layout.request_floats, np.float64), _matches(layout))
-        req.ints[bk.R_TRIE_START] = trie_start
-        self._table.set(req.slot, req.arrays())
+        if cfg.insert_prompt:  # else the first commit anchors the state on the prompt
+            self._trie.sync(state)
+        req = _Request(self._table.take(), context, state, np.zeros(0, np.int64),
+                       np.zeros(0, np.float64), np.zeros((0, 3), np.int64), self._layout)
+        self._lay_out(req, self._layout, trie_start)
         self._requests[request_id] = req
         if cfg.insert_prompt:
+            if not self._ops:
+                self._queue_epoch = self._trie.epoch
             self._ops += (req.slot, 0, trie_start)
             self._queued_positions += len(context) - trie_start
 
@@ -143,8 +145,12 @@ class NgramDrafter:
                                len(ctx) - req.trie_start)
             self._table.set(req.slot, req.arrays())
         count = len(accepted_token_ids)
+        if count and not 0 <= min(accepted_token_ids) <= max(accepted_token_ids) < 2**31:
+            raise ValueError(f"request {request_id!r}: token ids must be in [0, 2**31)")
         if req.context.reserve(count):
             self._table.set(req.slot, req.arrays())
+        if not self._ops:
+            self._queue_epoch = self._trie.epoch
         self._ops += (req.slot, count, -1)
         self._tokens += accepted_token_ids
         self._queued_positions += count
@@ -185,6 +191,15 @@ class NgramDrafter:
 
     def _take_queue(self) -> tuple[np.ndarray, np.ndarray]:
         """The queued operations and tokens as kernel arrays; the trie is grown to fit them."""
+        trie = self._trie
+        if self._ops and trie.epoch != self._queue_epoch:
+            # Reset by someone holding the trie while these waited (the drafter's own readers
+            # run the queue first): they go to the new trie, and no anchor may name a node it
+            # no longer has.
+            for req in self._requests.values():
+                if req.trie_state.epoch != trie.epoch:
+                    trie.sync(req.trie_state)
+                    self._table.set(req.slot, req.arrays())
         ops = np.array(self._ops, np.int64)  # (slot, new tokens, trie start) triples
         tokens = np.array(self._tokens, np.int32)
         self._trie.reserve(self._queued_positions * self._depth)
@@ -218,6 +233,11 @@ class NgramDrafter:
         cap = self._nodes - 1
         reqs = [self._requests[rid] for rid in request_ids]
         budgets = [min(budget, cap) for budget in budgets]
+        stale = [req for req in reqs if req.layout is not layout]
+        if stale:  # new corpora: their queued commits learn from the trees they were built as
+            self._flush()
+            for req in stale:
+                self._lay_out(req, layout, req.trie_start)
         trie = self._trie
         for req, budget in zip(reqs, budgets):
             if budget > 0 and req.trie_state.epoch != trie.epoch:
@@ -252,10 +272,7 @@ class NgramDrafter:
             return layout
         sams = dict(sorted(snapshot.items()))
         if _key(sams) != layout.key:
-            self._flush()  # queued commits learn from trees laid out the old way
             layout = self._layout = self._new_layout(sams)
-            for req in self._requests.values():
-                self._relayout(req, layout)
         layout.snapshot = snapshot
         return layout
 
@@ -275,14 +292,16 @@ class NgramDrafter:
                            int(cfg.calibrate), cfg.max_sam_match], np.int64)
         return _Layout(bank, _key(sams), list(sams.values()), scratch, ints, floats, params)
 
-    def _relayout(self, req: _Request, layout: _Layout) -> None:
-        """New buffers for new corpora. A pending tree is dropped, as the build that follows
-        replaces it anyway; the corpus matches start over."""
-        trie_start = req.trie_start
+    def _lay_out(self, req: _Request, layout: _Layout, trie_start: int) -> None:
+        """Buffers for `layout`'s corpora. On a relayout a pending tree is dropped (the build that
+        follows replaces it; its queued commits already ran) and the corpus matches start over."""
+        _, evidence = bk.tree_sizes(self.config.num_draft_tokens,
+                                        self.config.max_anchors_per_source,
+                                        layout.bank.num_corpora if layout.bank else 0)
         req.ints = np.zeros(layout.request_ints, np.int64)
         req.floats = np.zeros(layout.request_floats, np.float64)
-        req.ints[bk.R_TRIE_START] = trie_start
-        req.matches = _matches(layout)
+        req.ints[bk.R_TRIE_START], req.ints[bk.R_EVIDENCE] = trie_start, evidence
+        req.matches, req.layout = _matches(layout), layout
         self._table.set(req.slot, req.arrays())
 
     # ----------------------------------------------------------------- reading

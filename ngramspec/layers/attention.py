@@ -48,7 +48,7 @@ class PagedMetadata:
     local: torch.Tensor  # [N] visible query-token slots of the tree tokens, concatenated
     local_offsets: torch.Tensor  # [T + 1] token t's are local[o_t : o_t+1] (empty when causal)
     causal: torch.Tensor  # [B] int64, 1 = token i of the sequence sees its query slots 0..i
-    max_query_len: int = 1  # the most query tokens of one sequence (the Triton kernel's grid)
+    max_query_len: int  # the most query tokens of one sequence (the Triton kernel's grid)
 
 
 @dataclass(slots=True)

@@ -7,8 +7,9 @@ tokens) computes all of their rows (token x the group's query heads) together, s
 is loaded once for the whole tree or chunk block, with an online softmax over blocks of 32 keys:
 K/V read in place by slot, no padding, no gather copy, no [queries x keys] mask built per sequence.
 A tree row's visible query tokens are matched by slot against its own list (tree depth
-comparisons per key block). Everything is float32: products are TF32 tensor-core dots for a bf16
-cache (its values are exact in TF32) and full-precision ones for a float32 cache.
+comparisons per key block). Everything is float32: products are TF32 tensor-core dots in bf16 mode
+(bf16 values are exact in TF32; the softmax weights are rounded to TF32) and full-precision ones
+when the queries or the cache are float32.
 
 Without a GPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1), which is how
 tests/test_triton_attention.py checks it against the SDPA reference on the CPU.
@@ -35,8 +36,8 @@ def _attend(q, k_cache, v_cache, slots, visible, kv_head, stride_ks, stride_kh, 
     at = slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
     k = tl.load(k_cache + at, mask=kv_mask, other=0.0).to(tl.float32)  # [N, D]
     v = tl.load(v_cache + at, mask=kv_mask, other=0.0).to(tl.float32)  # [N, D]
-    # A bf16 cache's values are exact in TF32, so TF32 tensor cores lose nothing on them; a
-    # float32 cache gets full-precision products.
+    # bf16 queries and keys are exact in TF32, so TF32 tensor cores lose nothing on q.k (p.v
+    # rounds p to TF32's 10-bit mantissa, finer than bf16); float32 gets full-precision products.
     if PRECISE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -128,15 +129,15 @@ class TritonPagedAttention:
         p = meta.paged
         assert p is not None, "TritonPagedAttention needs AttentionMetadata.paged"
         k_cache, v_cache = cache.k[layer], cache.v[layer]  # [slots, KVH, D]
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[1]
         group = num_heads // num_kv_heads
         out = q.new_empty(num_tokens, num_heads * head_dim)
         if num_tokens == 0:
             return out
-        assert q.stride(2) == 1 and k_cache.stride(2) == 1
+        assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride() == k_cache.stride()
         grid = (p.seq_offsets.shape[0] - 1, num_kv_heads, triton.cdiv(p.max_query_len,
                                                                       BLOCK_QUERIES))
         _paged_attention[grid](
@@ -145,5 +146,5 @@ class TritonPagedAttention:
             k_cache.stride(0), k_cache.stride(1), out.stride(0), head_dim ** -0.5,
             GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim,
             DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=BLOCK_QUERIES,
-            BLOCK_N=BLOCK_KEYS, PRECISE=k_cache.dtype == torch.float32)
+            BLOCK_N=BLOCK_KEYS, PRECISE=torch.float32 in (q.dtype, k_cache.dtype))
         return out

@@ -40,7 +40,8 @@ def test_engine_on_the_triton_kernel_decodes_like_sdpa(tiny_model_dirs):
                       attention_backend=backend, speculative=spec, verify_cost=FLAT_COST)
             assert llm.engine.runner.attention == backend
             outputs[backend, spec] = [o.token_ids for o in llm.generate(prompts, params)]
-    assert outputs["triton", "ngram"] == outputs["triton", None] == outputs["sdpa", None]
+    assert outputs["triton", "ngram"] == outputs["triton", None] == outputs["sdpa", None] \
+        == outputs["sdpa", "ngram"]
     assert llm.engine.stats.num_accepted_tokens > 0  # trees were verified through the kernel
 
 
@@ -52,3 +53,15 @@ def test_triton_backend_errors_are_clear(monkeypatch):
         _attention_backend("triton", torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="attention_backend"):
         LLM(attention_backend="flash")
+
+
+def test_a_bf16_cache_under_float32_activations_decodes_like_the_cpu_kernel(tiny_model_dirs):
+    prompts = [[7, 8, 9, 10, 11, 7, 8, 9], [20, 21, 22, 23] * 3]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs = []
+    for backend in ("auto", "triton"):  # auto on the CPU: the C++ kernel
+        llm = LLM(model=str(tiny_model_dirs["llama"]), num_threads=1, device="cpu",
+                  dtype="float32", kv_cache_dtype="bfloat16", attention_backend=backend)
+        assert llm.engine.runner.attention == ("cpu" if backend == "auto" else "triton")
+        outputs.append([o.token_ids for o in llm.generate(prompts, params)])
+    assert outputs[0] == outputs[1]

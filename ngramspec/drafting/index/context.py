@@ -27,7 +27,8 @@ class ContextIndex:
         if max_match < 1 or max_occurrences < 1:
             raise ValueError("max_match and max_occurrences must be >= 1")
         if max_match > 127:
-            raise ValueError("the fast index stores window lengths as int8: max_match <= 127")
+            raise ValueError("the index keeps window lengths in 7 bits of its keys: "
+                             "max_match <= 127")
         self.max_match = max_match
         self.max_occurrences = max_occurrences
         self.st = np.zeros(cx.SUFFIX_COUNTS + max_match, np.int64)

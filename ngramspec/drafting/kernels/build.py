@@ -39,9 +39,11 @@ K_SLOT, K_TOK, K_SRC, K_HEAD, K_TAIL = range(5)
  P_MAX_MATCH, P_CALIBRATE, P_SAM_MATCH) = range(12)
 # counts (int64): next cursor, next candidate, heap size, pool used
 N_CUR, N_CAND, N_HEAP, N_POOL = range(4)
-# A request's int buffer starts with: where its tokens begin in its context array, and the
-# number of nodes of its last kernel-built tree still awaiting commit (0: none).
-R_TRIE_START, R_PENDING, R_HEAD = 0, 1, 2
+# A request's int buffer starts with: where its tokens begin in its context array, the number of
+# nodes of its last kernel-built tree still awaiting commit (0: none), and its evidence slots (the
+# corpora in use when its buffers were laid out size them, so a commit reads a pending tree with
+# the layout it was built under).
+R_TRIE_START, R_PENDING, R_EVIDENCE, R_HEAD = 0, 1, 2, 3
 BUCKETS = np.asarray(BUCKET_EDGES, np.int64)
 
 
@@ -85,7 +87,7 @@ def request_views(r_ints, r_floats, params):
     """out_i [3, nodes] (token, parent, source), ev_i [2, evidence] (class, matched length),
     ev_off [nodes + 1] (node i's evidence is ev_off[i]:ev_off[i + 1]), out_p [nodes] (path
     probabilities), ev_raw [evidence]."""
-    nodes, evidence = params[P_NODES], params[P_EVIDENCE]
+    nodes, evidence = params[P_NODES], r_ints[R_EVIDENCE]
     o = R_HEAD
     out_i = r_ints[o:o + 3 * nodes].reshape((3, nodes))
     o += 3 * nodes
@@ -255,7 +257,9 @@ def _push_children(cols, tok, n_tok, factor, calibrate, params, bank, s_cur, s_r
                    s_cand_f, heap, pool, groups, counts, slot, prob, head, room) -> None:
     """Each cursor offers its best min(breadth, room) continuations, `room` being the nodes the
     tree can still take: a cursor ranks its continuations by one calibrated factor times a
-    decreasing raw estimate, so its r-th can only be placed after its r - 1 better ones."""
+    decreasing raw estimate, so its r-th can only be placed after its r - 1 better ones and never
+    through this cursor alone. A token another cursor also offers can still be placed; it then
+    lacks this cursor's evidence and continuations (replays: no change in acceptance)."""
     limit = min(params[P_LIMIT], room)
     first_cand = counts[N_CAND]
     c = head
