@@ -296,8 +296,8 @@ class NgramDrafter:
         """Buffers for `layout`'s corpora. On a relayout a pending tree is dropped (the build that
         follows replaces it; its queued commits already ran) and the corpus matches start over."""
         _, evidence = bk.tree_sizes(self.config.num_draft_tokens,
-                                        self.config.max_anchors_per_source,
-                                        layout.bank.num_corpora if layout.bank else 0)
+                                    self.config.max_anchors_per_source,
+                                    layout.bank.num_corpora if layout.bank else 0)
         req.ints = np.zeros(layout.request_ints, np.int64)
         req.floats = np.zeros(layout.request_floats, np.float64)
         req.ints[bk.R_TRIE_START], req.ints[bk.R_EVIDENCE] = trie_start, evidence
