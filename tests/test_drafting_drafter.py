@@ -281,3 +281,16 @@ def test_sglang_defaults_and_make_drafter():
     assert type(make_drafter(cfg)).__name__ == "SGLangDrafter"
     with pytest.raises(ValueError, match="'ngramspec' preset"):
         NgramDrafter(cfg)
+
+
+def test_a_bad_commit_is_a_clear_error_and_the_others_are_kept():
+    drafter = new_drafter("production")
+    drafter.start("good", [1, 2, 3])
+    drafter.start("bad", [4, 5])
+    drafter.commit("good", [1, 2])
+    drafter.commit("bad", [2**40])
+    with pytest.raises(ValueError, match="bad"):
+        drafter.propose(["good"], [3])
+    (tree,) = drafter.propose(["good"], [3])  # the queue kept the good commit
+    assert drafter.trie.lookup([3, 1, 2]) >= 0
+    assert tree.token_ids[0] == 2
