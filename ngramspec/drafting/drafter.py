@@ -252,26 +252,28 @@ class NgramDrafter:
         if len(request_ids) != len(budgets):
             raise ValueError("request_ids and budgets must have the same length")
         layout = self._current_layout()
-        cap = self._nodes - 1
-        reqs = [self._requests[rid] for rid in request_ids]
-        budgets = [min(budget, cap) for budget in budgets]
-        stale = [req for req in reqs if req.layout is not layout]
-        if stale:  # new corpora: their queued commits learn from the trees they were built as
-            self._flush()
-            for req in stale:
+        cap, trie = self._nodes - 1, self._trie
+        slots, capped, flushed = [], [], False
+        for rid, budget in zip(request_ids, budgets):  # one pass: this runs per request-step
+            req = self._requests[rid]
+            if req.layout is not layout:  # new corpora: queued commits learn from the old tree
+                if not flushed:
+                    self._flush()
+                    flushed = True
                 self._lay_out(req, layout, req.trie_start)
-        trie = self._trie
-        for req, budget in zip(reqs, budgets):
+            budget = min(budget, cap)
             if budget > 0 and req.trie_state.epoch != trie.epoch:
                 trie.sync(req.trie_state)
                 self._table.set(req.slot, req.arrays())
+            slots.append(req.slot)
+            capped.append(budget)
         ops, tokens = self._take_queue()
         nodes, table, cal, s = self._nodes, self._table, self.calibrator, layout.scratch
-        out = np.empty((len(reqs), 1 + 3 * nodes), np.int64)
-        out_p = np.empty((len(reqs), nodes), np.float64)
+        out = np.empty((len(slots), 1 + 3 * nodes), np.int64)
+        out_p = np.empty((len(slots), nodes), np.float64)
         bank = layout.bank or _NO_BANK
         # numpy calls cost ~0.3 µs each, which shows with one request: one array for the batch
-        batch = np.array([req.slot for req in reqs] + budgets, np.int64)  # slots, then budgets
+        batch = np.array(slots + capped, np.int64)  # slots, then budgets
         failed = step.propose(
             ops, tokens, batch, out, out_p, table.addr, table.size, layout.params,
             self._min_path_prob, cal.cal, cal.prior, self._counts, s.ints, s.floats, trie.cols,
@@ -317,9 +319,7 @@ class NgramDrafter:
     def _lay_out(self, req: _Request, layout: _Layout, trie_start: int) -> None:
         """Buffers for `layout`'s corpora. On a relayout a pending tree is dropped (the build that
         follows replaces it; its queued commits already ran) and the corpus matches start over."""
-        _, evidence = bk.tree_sizes(self.config.num_draft_tokens,
-                                    self.config.max_anchors_per_source,
-                                    layout.bank.num_corpora if layout.bank else 0)
+        evidence = layout.params[bk.P_EVIDENCE]
         req.ints = np.zeros(layout.request_ints, np.int64)
         req.floats = np.zeros(layout.request_floats, np.float64)
         req.ints[bk.R_TRIE_START], req.ints[bk.R_EVIDENCE] = trie_start, evidence

@@ -69,6 +69,11 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, slots, KVH, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the step's new K/V ([T, KVH, D]) at their slots, in the cache's dtype."""
+        self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
+        self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
+
     @staticmethod
     def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
@@ -82,8 +87,7 @@ class ReferenceAttention:
         cache: KVCache, meta: AttentionMetadata,
     ) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KVH, D] -> out [T, H * D]
-        cache.k[layer].index_copy_(0, meta.slot_mapping, k)
-        cache.v[layer].index_copy_(0, meta.slot_mapping, v)
+        cache.write(layer, meta.slot_mapping, k, v)
         if len(meta.groups) == 1 and meta.groups[0].token_index is None:
             return self._group(layer, q, cache, meta.groups[0])
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [T, H * D]

@@ -129,8 +129,7 @@ class TritonPagedAttention:
         p = meta.paged
         assert p is not None, "TritonPagedAttention needs AttentionMetadata.paged"
         k_cache, v_cache = cache.k[layer], cache.v[layer]  # [slots, KVH, D]
-        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        cache.write(layer, meta.slot_mapping, k, v)
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[1]
         group = num_heads // num_kv_heads
