@@ -107,6 +107,10 @@ class NgramDrafter:
         self._layout = self._new_layout({})
         self._current_layout()  # the corpus bank is built here, not in the first step
         self._counts = np.zeros(2 * NUM_SOURCES, np.int64)  # drafted, then accepted, by source
+        # The kernels' scratch (trie levels, a tree's nodes, root anchors): allocating inside
+        # a kernel costs a malloc and two atomic reference counts, more than the work.
+        self._work = np.zeros(max(2 * config.max_trie_depth, config.num_draft_tokens + 1,
+                                  3 * config.max_anchors_per_source), np.int64)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -243,7 +247,7 @@ class NgramDrafter:
         trie, cal, table = self._trie, self.calibrator, self._table
         failed = step.apply_queue(ops, tokens, table.addr, table.size, self._layout.params,
                                   cal.cal, cal.prior, self._counts, trie.cols, trie.edges,
-                                  trie.runs, trie.meta)
+                                  trie.runs, trie.meta, self._work)
         self._after_queue(failed)
 
     # ----------------------------------------------------------------- proposing
@@ -277,7 +281,8 @@ class NgramDrafter:
         failed = step.propose(
             ops, tokens, batch, out, out_p, table.addr, table.size, layout.params,
             self._min_path_prob, cal.cal, cal.prior, self._counts, s.ints, s.floats, trie.cols,
-            trie.edges, trie.runs, trie.meta, bank.states, bank.trans, bank.edges, bank.roots)
+            trie.edges, trie.runs, trie.meta, bank.states, bank.trans, bank.edges, bank.roots,
+            self._work)
         self._after_queue(failed)
         trees = []
         for row, probs in zip(out.tolist(), out_p.tolist()):

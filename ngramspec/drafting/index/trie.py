@@ -133,7 +133,8 @@ class NgramTrie:
             if start > 0:
                 tk.refresh(self.cols, self.edges, self.meta, state.arr, ctx, start)
         self.reserve((end - start) * self.max_depth)
-        if tk.extend(self.cols, self.edges, self.runs, self.meta, state.arr, ctx, start, end):
+        work = np.empty(2 * self.max_depth, np.int64)
+        if tk.extend(self.cols, self.edges, self.runs, self.meta, state.arr, ctx, start, end, work):
             raise RuntimeError("trie columns were not grown before extend (bug)")
 
     def reserve(self, new_nodes: int) -> None:

@@ -324,12 +324,10 @@ def _link(s_cur, head, tail, c) -> tuple:
 
 @njit(cache=True)
 def _root_cursors(cols, edges, tmeta, tstate, trie_start, tok, prev, cst, params, bank, s_cur,
-                  pool, counts) -> int:
+                  pool, counts, work) -> int:
     """Context anchors, then distinct-count trie anchors, then each corpus's anchors."""
     k_max = params[P_ANCHORS]
-    m = np.empty(k_max, np.int64)
-    starts = np.empty(k_max, np.int64)
-    nums = np.empty(k_max, np.int64)
+    m, starts, nums = work[:k_max], work[k_max:2 * k_max], work[2 * k_max:3 * k_max]
     found, used = cx.anchors(prev, cst, params[P_MAX_MATCH], k_max, params[P_OCC], m, starts,
                              nums, pool, 0)
     counts[N_POOL] = used
@@ -370,11 +368,11 @@ def _root_cursors(cols, edges, tmeta, tstate, trie_start, tok, prev, cst, params
 
 @njit(cache=True)
 def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, min_path_prob, s_ints,
-          s_floats, r_ints, r_floats, stats, bank) -> int:
+          s_floats, r_ints, r_floats, stats, bank, work) -> int:
     """Fill the request's tree and evidence (`request_views`) from its context, the trie and the
     corpus bank (kernels/sam.py: states, trans, edges, roots and the request's match rows; no
-    corpus is empty tables); returns the node count, which is also left in r_ints[R_PENDING]
-    for the commit that follows."""
+    corpus is empty tables; work: int64 scratch of >= 3 anchors); returns the node count, which
+    is also left in r_ints[R_PENDING] for the commit that follows."""
     s_cur, s_raw, s_cand, s_cand_f, heap, pool, groups, counts = _scratch_views(
         s_ints, s_floats, params)
     out_i, ev_i, ev_off, out_p, ev_raw = request_views(r_ints, r_floats, params)
@@ -389,7 +387,7 @@ def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, min_path_prob
     if budget <= 0:
         return 1
     head = _root_cursors(cols, edges, tmeta, tstate, r_ints[R_TRIE_START], tok, prev, cst,
-                         params, bank, s_cur, pool, counts)
+                         params, bank, s_cur, pool, counts, work)
     _push_children(cols, tok, n_tok, factor, calibrate, params, bank, s_cur, s_raw, s_cand,
                    s_cand_f, heap, pool, groups, counts, 0, 1.0, head, budget)
     n, e = 1, 0

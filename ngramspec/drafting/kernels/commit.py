@@ -13,15 +13,17 @@ from ngramspec.drafting.sources import NUM_SOURCES
 
 
 @njit(cache=True)
-def learn(out_i, n, ev_i, ev_raw, ev_off, accepted_tokens, cal, calibrate_prior, stats) -> None:
+def learn(out_i, n, ev_i, ev_raw, ev_off, accepted_tokens, cal, calibrate_prior, stats,
+          work) -> None:
     """Calibrate on every node the verifier judged (its parent accepted); tests/oracles/drafter.py
     `_learn` is the reference.
 
     cal (float64 [4, NUM_CLASSES, buckets]): raw sums, acceptances, trials, factors;
-    calibrate_prior: (prior mass, prior weight).
+    calibrate_prior: (prior mass, prior weight); work: int64 scratch of >= n.
     """
-    accepted = np.zeros(n, np.bool_)
-    accepted[0] = True
+    accepted = work[:n]
+    accepted[:] = 0
+    accepted[0] = 1
     node = 0
     for t in accepted_tokens:
         nxt = -1
@@ -31,7 +33,7 @@ def learn(out_i, n, ev_i, ev_raw, ev_off, accepted_tokens, cal, calibrate_prior,
                 break
         if nxt < 0:
             break
-        accepted[nxt] = True
+        accepted[nxt] = 1
         node = nxt
     for i in range(1, n):
         if not accepted[out_i[1, i]]:
@@ -49,15 +51,15 @@ def learn(out_i, n, ev_i, ev_raw, ev_off, accepted_tokens, cal, calibrate_prior,
 
 @njit(cache=True)
 def commit_one(r_ints, r_floats, params, new, trie_from, cal, prior, stats, tok, prev, hashes,
-               table, st, cols, edges, runs, meta, tstate) -> int:
+               table, st, cols, edges, runs, meta, tstate, work) -> int:
     """One queued operation of a request (kernels/step.py): learn from its pending tree, index
     the new tokens, count the n-grams ending at positions from `trie_from` (-1: the first new
     token). 0, or -2 when the trie was not grown first (a bug)."""
     pending = r_ints[R_PENDING]
     if pending:
         out_i, ev_i, ev_off, _, ev_raw = request_views(r_ints, r_floats, params)
-        learn(out_i, pending, ev_i, ev_raw, ev_off, new, cal, prior, stats)
+        learn(out_i, pending, ev_i, ev_raw, ev_off, new, cal, prior, stats, work)
         r_ints[R_PENDING] = 0
     start = st[cx.NUM] if trie_from < 0 else trie_from
     cx.append(tok, prev, hashes, table, st, new)
-    return tk.extend(cols, edges, runs, meta, tstate, tok, start, st[cx.NUM])
+    return tk.extend(cols, edges, runs, meta, tstate, tok, start, st[cx.NUM], work)

@@ -102,28 +102,40 @@ def _view2(addr, size, slot, f, columns, dtype):
     return numba.carray(_pointer(addr[slot, f]), (size[slot, f], columns), dtype)
 
 
+@njit(cache=True, inline="always")
+def _raw(a):
+    """`a` without its reference count: numba's atomic incref/decref on every array handed to a
+    callee or sliced cost more than the work (perf: ~40% of a step's kernel time); an array
+    from a bare address has no meminfo, so those become a null test. The caller's Python frame
+    holds `a` for the whole call."""
+    return numba.carray(_pointer(a.ctypes.data), a.shape, a.dtype)
+
+
 @njit(cache=True)
 def _apply_one(addr, size, slot, new, trie_from, params, cal, prior, stats, cols, edges, runs,
-               meta) -> int:
+               meta, work) -> int:
     return cm.commit_one(
         _view(addr, size, slot, F_INTS, np.int64), _view(addr, size, slot, F_FLOATS, np.float64),
         params, new, trie_from, cal, prior, stats, _view(addr, size, slot, F_TOK, np.int32),
         _view(addr, size, slot, F_PREV, np.int32), _view(addr, size, slot, F_HASHES, np.uint64),
         _view2(addr, size, slot, F_TABLE, 2, np.uint64), _view(addr, size, slot, F_ST, np.int64),
-        cols, edges, runs, meta, _view(addr, size, slot, F_TSTATE, np.int32))
+        cols, edges, runs, meta, _view(addr, size, slot, F_TSTATE, np.int32), work)
 
 
 @njit(cache=True)
-def apply_queue(ops, tokens, addr, size, params, cal, prior, stats, cols, edges, runs,
-                meta) -> int:
+def apply_queue(ops, tokens, addr, size, params, cal, prior, stats, cols, edges, runs, meta,
+                work) -> int:
     """Run the queued operations (flat triples) in order; 0, or -2 when the trie was not grown
     first (a bug)."""
+    ops, tokens, addr, size, params = _raw(ops), _raw(tokens), _raw(addr), _raw(size), _raw(params)
+    cal, prior, stats, cols, edges = _raw(cal), _raw(prior), _raw(stats), _raw(cols), _raw(edges)
+    runs, meta, work = _raw(runs), _raw(meta), _raw(work)
     at = 0
     for i in range(0, ops.shape[0], 3):
         count = ops[i + O_COUNT]
         failed = _apply_one(addr, size, ops[i + O_SLOT], tokens[at:at + count],
                             ops[i + O_TRIE_FROM], params, cal, prior, stats, cols, edges, runs,
-                            meta)
+                            meta, work)
         if failed:
             return failed
         at += count
@@ -132,13 +144,17 @@ def apply_queue(ops, tokens, addr, size, params, cal, prior, stats, cols, edges,
 
 @njit(cache=True)
 def propose(ops, tokens, batch, out, out_p, addr, size, params, min_path_prob, cal, prior, stats,
-            s_ints, s_floats, cols, edges, runs, meta, states, trans, corpus_edges, roots) -> int:
+            s_ints, s_floats, cols, edges, runs, meta, states, trans, corpus_edges, roots,
+            work) -> int:
     """The queue, then one tree per request of `batch` (its slots, then their budgets). Row i
     of `out` gets the node count, then the tokens, parents and sources (nodes columns each);
     `out_p` row i the path probabilities. The request's own buffers keep the tree and its
     evidence for the commit that follows."""
+    batch, out, out_p, s_ints, s_floats = _raw(batch), _raw(out), _raw(out_p), _raw(s_ints), \
+        _raw(s_floats)
+    states, trans, corpus_edges, roots = _raw(states), _raw(trans), _raw(corpus_edges), _raw(roots)
     failed = apply_queue(ops, tokens, addr, size, params, cal, prior, stats, cols, edges, runs,
-                         meta)
+                         meta, work)
     if failed:
         return failed
     nodes = params[bk.P_NODES]
@@ -154,7 +170,7 @@ def propose(ops, tokens, batch, out, out_p, addr, size, params, min_path_prob, c
                      _view(addr, size, slot, F_TOK, np.int32),
                      _view(addr, size, slot, F_PREV, np.int32),
                      _view(addr, size, slot, F_ST, np.int64), cal, params, min_path_prob,
-                     s_ints, s_floats, r_ints, r_floats, stats, bank)
+                     s_ints, s_floats, r_ints, r_floats, stats, bank, work)
         out[i, 0] = n
         for j in range(3 * nodes):
             out[i, 1 + j] = r_ints[bk.R_HEAD + j]

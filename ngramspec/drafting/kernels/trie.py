@@ -331,11 +331,12 @@ def refresh(cols: np.ndarray, edges: np.ndarray, meta: np.ndarray, state: np.nda
 
 @njit(cache=True)
 def extend(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, meta: np.ndarray,
-           state: np.ndarray, ctx: np.ndarray, start: int, end: int) -> int:
-    """Count the n-grams ending at ctx[start:end] (ReferenceTrie._advance per token); 0 or -2."""
+           state: np.ndarray, ctx: np.ndarray, start: int, end: int, work: np.ndarray) -> int:
+    """Count the n-grams ending at ctx[start:end] (ReferenceTrie._advance per token); 0 or -2.
+    `work` (int64, >= 2 * depth) is scratch: an allocation here cost more than a token's count."""
     depth = meta[DEPTH]
-    old = np.empty(depth, np.int32)
-    new = np.empty(depth, np.int32)
+    old = work[:depth]
+    new = work[depth:2 * depth]
     for pos in range(start, end):
         token = ctx[pos]
         if token == SEPARATOR:  # n-grams never span documents
