@@ -64,6 +64,10 @@ def append(tok: np.ndarray, prev: np.ndarray, hashes: np.ndarray, table: np.ndar
             hashes[m] = hashes[m - 1] * base + value
         hashes[0] = value
         st[NUM_HASHES] = nh
+        mask = table.shape[0] - 1
+        for m in range(nh):  # every window's slot at once: their misses overlap
+            ht.prefetch(table, _home((hashes[m] << np.uint64(LENGTH_BITS)) | np.uint64(m + 1),
+                                     mask))
         for m in range(nh):
             key = (hashes[m] << np.uint64(LENGTH_BITS)) | np.uint64(m + 1)
             i = _slot(table, key)

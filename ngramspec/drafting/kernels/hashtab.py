@@ -9,9 +9,38 @@ lookups tombstone-free.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 EMPTY = -1
+
+
+@intrinsic
+def prefetch(typingctx, arr, row):
+    """Ask the cache for arr[row] (a row of a 2-d array), without waiting for it: a hint, so
+    an index out of range is harmless. Independent probes issued together overlap their misses
+    instead of paying them one after another."""
+    if not isinstance(arr, types.Array) or not isinstance(row, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        array_type = signature.args[0]
+        array = context.make_array(array_type)(context, builder, args[0])
+        row_index = context.cast(builder, args[1], signature.args[1], types.intp)
+        index = [row_index] + [context.get_constant(types.intp, 0)] * (array_type.ndim - 1)
+        pointer = cgutils.get_item_pointer(context, builder, array_type, array, index,
+                                           wraparound=False)
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+            "llvm.prefetch.p0")
+        # read, high temporal locality, data cache
+        builder.call(fn, [builder.bitcast(pointer, i8p), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(arr, row), codegen
 
 
 @njit(cache=True, inline="always")
