@@ -24,6 +24,7 @@ from numba import njit
 from ngramspec.drafting.calibration import BUCKET_EDGES, MAX_CONDITIONAL
 from ngramspec.drafting.index.sam import SEPARATOR
 from ngramspec.drafting.kernels import context as cx
+from ngramspec.drafting.kernels import hashtab as ht
 from ngramspec.drafting.kernels import sam as sk
 from ngramspec.drafting.kernels import trie as tk
 from ngramspec.drafting.sources import CONTEXT, CORPUS, TRIE
@@ -275,6 +276,8 @@ def _push_children(cols, tok, n_tok, factor, calibrate, params, bank, s_cur, s_r
                 cls = _class(src, total)
                 est = _estimate(factor, calibrate, cls, length, raw)
                 kid = _new_cursor(s_cur, counts, src, child, 0, 0, length + 1, cls)
+                if cols[child, tk.FIRST] >= 0:  # what expanding it reads first
+                    ht.prefetch(cols, cols[child, tk.FIRST])
                 _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot,
                        cols[child, tk.TOK], src, est, kid, raw)
                 child = cols[child, tk.NEXT]
@@ -290,6 +293,7 @@ def _push_children(cols, tok, n_tok, factor, calibrate, params, bank, s_cur, s_r
                 est = _estimate(factor, calibrate, cls, length, raw)
                 kid = _new_cursor(s_cur, counts, src, edges[e, sk.E_LO], occ,
                                   edges[e, sk.E_HI], length + 1, cls)
+                ht.prefetch(edges, edges[e, sk.E_LO])  # what expanding it reads
                 _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot,
                        edges[e, sk.E_TOKEN], src, est, kid, raw)
         else:
