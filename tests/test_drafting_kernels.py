@@ -4,6 +4,7 @@ identical results."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracles.context import ReferenceContextIndex
@@ -282,3 +283,27 @@ def test_a_corpus_change_keeps_the_pending_trees_of_requests_not_rebuilt():
         d.commit("b", [3, 1, 2])
     assert ref.stats() == fast.stats()
     assert fast.stats()["sources"]["context"]["accepted"] > 1
+
+
+def test_a_trie_of_another_depth_is_refused() -> None:
+    """The kernels' scratch holds 2 x the configured depth: a deeper trie would overrun it."""
+    drafter = NgramDrafter(DrafterConfig(max_trie_depth=4))
+    drafter.start("a", [1, 2, 3, 1, 2])
+    with pytest.raises(ValueError, match="trie depth 6 differs"):
+        drafter.trie = NgramTrie(100, 6)
+    drafter.trie = NgramTrie(100, 4)
+    assert drafter.propose(["a"], [3])[0].token_ids[0] == 2  # still serving
+
+
+def test_step_kernels_refuse_non_contiguous_arrays() -> None:
+    """They alias their arguments by address (kernels/step.py `_raw`): a strided view would be
+    read as if it were contiguous."""
+    from ngramspec.drafting.kernels import step
+
+    drafter = NgramDrafter(DrafterConfig())
+    trie, cal, table = drafter._trie, drafter.calibrator, drafter._table
+    ops = np.zeros(6, np.int64)[::2]
+    with pytest.raises(ValueError, match="C-contiguous"):
+        step.apply_queue(ops, np.zeros(0, np.int32), table.addr, table.size,
+                         drafter._layout.params, cal.cal, cal.prior, drafter._counts, trie.cols,
+                         trie.edges, trie.runs, trie.meta, drafter._work)

@@ -186,6 +186,9 @@ class NgramDrafter:
 
     @trie.setter
     def trie(self, trie: NgramTrie) -> None:
+        if trie.max_depth != self._depth:  # the kernels' scratch and reservations assume it
+            raise ValueError(f"trie depth {trie.max_depth} differs from the drafter's "
+                             f"max_trie_depth {self._depth}")
         self._flush()  # queued commits belong to the trie they were made under
         self._trie = trie
 

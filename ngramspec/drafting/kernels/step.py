@@ -108,6 +108,8 @@ def _raw(a):
     callee or sliced cost more than the work (perf: ~40% of a step's kernel time); an array
     from a bare address has no meminfo, so those become a null test. The caller's Python frame
     holds `a` for the whole call."""
+    if not a.flags.c_contiguous:
+        raise ValueError("drafter kernels take C-contiguous arrays only")
     return numba.carray(_pointer(a.ctypes.data), a.shape, a.dtype)
 
 
