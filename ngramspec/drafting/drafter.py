@@ -276,8 +276,9 @@ class NgramDrafter:
             capped.append(budget)
         ops, tokens = self._take_queue()
         nodes, table, cal, s = self._nodes, self._table, self.calibrator, layout.scratch
-        out = np.empty((len(slots), 1 + 3 * nodes), np.int64)
-        out_p = np.empty((len(slots), nodes), np.float64)
+        num = len(slots)
+        out = np.empty((num, 3 * nodes), np.int64)
+        out_p = np.empty((num, nodes + 1), np.float64)
         bank = layout.bank or _NO_BANK
         # numpy calls cost ~0.3 µs each, which shows with one request: one array for the batch
         batch = np.array(slots + capped, np.int64)  # slots, then budgets
@@ -287,11 +288,14 @@ class NgramDrafter:
             trie.edges, trie.runs, trie.meta, bank.states, bank.trans, bank.edges, bank.roots,
             self._work)
         self._after_queue(failed)
+        # One list per field straight from tolist (slicing four lists cost ~0.2 µs a request).
         trees = []
-        for row, probs in zip(out.tolist(), out_p.tolist()):
-            n = row[0]
-            trees.append(_trusted_tree(row[1:1 + n], row[1 + nodes:1 + nodes + n], probs[:n],
-                                       row[1 + 2 * nodes:1 + 2 * nodes + n]))
+        for (token_ids, parents, sources), probs in zip(out.reshape(num, 3, nodes).tolist(),
+                                                        out_p.tolist()):
+            n = int(probs.pop())
+            if n < nodes:
+                del token_ids[n:], parents[n:], sources[n:], probs[n:]
+            trees.append(_trusted_tree(token_ids, parents, probs, sources))
         return trees
 
     def _current_layout(self) -> _Layout:

@@ -149,12 +149,14 @@ def propose(ops, tokens, batch, out, out_p, addr, size, params, min_path_prob, c
             s_ints, s_floats, cols, edges, runs, meta, states, trans, corpus_edges, roots,
             work) -> int:
     """The queue, then one tree per request of `batch` (its slots, then their budgets). Row i
-    of `out` gets the node count, then the tokens, parents and sources (nodes columns each);
-    `out_p` row i the path probabilities. The request's own buffers keep the tree and its
-    evidence for the commit that follows."""
+    of `out` gets the tokens, parents and sources (nodes columns each); `out_p` row i the path
+    probabilities, then the node count (the last column: one array less to convert). The
+    request's own buffers keep the tree and its evidence for the commit that follows."""
     batch, out, out_p, s_ints, s_floats = _raw(batch), _raw(out), _raw(out_p), _raw(s_ints), \
         _raw(s_floats)
     states, trans, corpus_edges, roots = _raw(states), _raw(trans), _raw(corpus_edges), _raw(roots)
+    addr, size, params, cal, stats = _raw(addr), _raw(size), _raw(params), _raw(cal), _raw(stats)
+    cols, edges, meta, work = _raw(cols), _raw(edges), _raw(meta), _raw(work)
     failed = apply_queue(ops, tokens, addr, size, params, cal, prior, stats, cols, edges, runs,
                          meta, work)
     if failed:
@@ -173,9 +175,9 @@ def propose(ops, tokens, batch, out, out_p, addr, size, params, min_path_prob, c
                      _view(addr, size, slot, F_PREV, np.int32),
                      _view(addr, size, slot, F_ST, np.int64), cal, params, min_path_prob,
                      s_ints, s_floats, r_ints, r_floats, stats, bank, work)
-        out[i, 0] = n
         for j in range(3 * nodes):
-            out[i, 1 + j] = r_ints[bk.R_HEAD + j]
+            out[i, j] = r_ints[bk.R_HEAD + j]
         for j in range(n):
             out_p[i, j] = r_floats[j]
+        out_p[i, nodes] = n
     return 0
