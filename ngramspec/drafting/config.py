@@ -48,6 +48,10 @@ class DrafterConfig:
     insert_prompt: bool = True  # put prompts into the global trie (count once)
     calibrate: bool = True  # learn acceptance per (source, match length) online
     calibration_prior_weight: float = 8.0  # pseudo-trials behind the prior factor of a bucket
+    # Threads that build a batch's trees (the queued commits stay on one): the trees are the same
+    # for any count. Worth it where cores idle while the accelerator runs (a GPU server at large
+    # batches); on a CPU the forward pass wants every core, so 1.
+    draft_threads: int = 1
 
     def __post_init__(self) -> None:
         _check(self.preset in ("ngramspec", "sglang"), "preset", "must be 'ngramspec' or 'sglang'")
@@ -75,6 +79,7 @@ class DrafterConfig:
             _check(getattr(self, name) > 0, name, "must be > 0")
         _check(0.0 <= self.min_path_prob < 1.0, "min_path_prob", "must be in [0, 1)")
         _check(self.calibration_prior_weight > 0, "calibration_prior_weight", "must be > 0")
+        _check(1 <= self.draft_threads <= 256, "draft_threads", "must be in [1, 256]")
 
     @property
     def num_draft_tokens(self) -> int:

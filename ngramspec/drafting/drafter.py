@@ -85,6 +85,8 @@ class NgramDrafter:
             raise ValueError(f"NgramDrafter serves the 'ngramspec' preset, not {config.preset!r}")
         if warm:
             warm_up()
+            if config.draft_threads > 1:
+                warm_up_parallel()
         self.config = config
         self.corpora = corpora
         self._trie = NgramTrie(config.capacity, config.max_trie_depth)
@@ -109,8 +111,12 @@ class NgramDrafter:
         self._counts = np.zeros(2 * NUM_SOURCES, np.int64)  # drafted, then accepted, by source
         # The kernels' scratch (trie levels, a tree's nodes, root anchors): allocating inside
         # a kernel costs a malloc and two atomic reference counts, more than the work.
-        self._work = np.zeros(max(2 * config.max_trie_depth, config.num_draft_tokens + 1,
-                                  3 * config.max_anchors_per_source), np.int64)
+        # One row per build thread (rows padded to a cache line: threads write their own).
+        self._work = np.zeros((config.draft_threads, _padded(max(
+            2 * config.max_trie_depth, config.num_draft_tokens + 1,
+            3 * config.max_anchors_per_source))), np.int64)
+        self._thread_counts = np.zeros((config.draft_threads, _padded(2 * NUM_SOURCES)), np.int64)
+        self._propose_kernel = step.propose_parallel if config.draft_threads > 1 else step.propose
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -250,7 +256,7 @@ class NgramDrafter:
         trie, cal, table = self._trie, self.calibrator, self._table
         failed = step.apply_queue(ops, tokens, table.addr, table.size, self._layout.params,
                                   cal.cal, cal.prior, self._counts, trie.cols, trie.edges,
-                                  trie.runs, trie.meta, self._work)
+                                  trie.runs, trie.meta, self._work[0])
         self._after_queue(failed)
 
     # ----------------------------------------------------------------- proposing
@@ -282,11 +288,13 @@ class NgramDrafter:
         bank = layout.bank or _NO_BANK
         # numpy calls cost ~0.3 µs each, which shows with one request: one array for the batch
         batch = np.array(slots + capped, np.int64)  # slots, then budgets
-        failed = step.propose(
+        # Threads only pay off with a few requests each (a parallel region costs ~1.5 µs).
+        kernel = self._propose_kernel if num >= 4 * self.config.draft_threads else step.propose
+        failed = kernel(
             ops, tokens, batch, out, out_p, table.addr, table.size, layout.params,
             self._min_path_prob, cal.cal, cal.prior, self._counts, s.ints, s.floats, trie.cols,
             trie.edges, trie.runs, trie.meta, bank.states, bank.trans, bank.edges, bank.roots,
-            self._work)
+            self._work, self._thread_counts)
         self._after_queue(failed)
         # One list per field straight from tolist (slicing four lists cost ~0.2 µs a request).
         trees = []
@@ -316,13 +324,14 @@ class NgramDrafter:
         cfg = self.config
         num_corpora = len(sams)
         scratch = bk.Scratch(cfg.num_draft_tokens, cfg.max_bfs_breadth,
-                             cfg.max_anchors_per_source, cfg.max_context_occurrences, num_corpora)
+                             cfg.max_anchors_per_source, cfg.max_context_occurrences, num_corpora,
+                             cfg.draft_threads)
         ints, floats = bk.request_sizes(cfg.num_draft_tokens, cfg.max_anchors_per_source,
                                         num_corpora)
         bank = CorpusBank(list(sams.values())) if sams else None
         nodes, evidence = bk.tree_sizes(cfg.num_draft_tokens, cfg.max_anchors_per_source,
                                         num_corpora)
-        params = np.array([0, cfg.max_bfs_breadth, cfg.max_anchors_per_source,
+        params = np.array([cfg.max_bfs_breadth, cfg.max_anchors_per_source,
                            cfg.max_context_occurrences, scratch.cursors, scratch.pool,
                            scratch.groups, nodes, evidence, cfg.max_context_match,
                            int(cfg.calibrate), cfg.max_sam_match], np.int64)
@@ -380,6 +389,11 @@ def _matches(layout: _Layout) -> np.ndarray:
     return layout.bank.new_matches()
 
 
+def _padded(columns: int) -> int:
+    """Columns rounded up to whole 64-byte lines of int64."""
+    return -(-columns // 8) * 8
+
+
 def _trusted_tree(tokens: list[int], parents: list[int], probs: list[float],
                   sources: list[int]) -> DraftTree:
     """A DraftTree without re-validating it: the build kernel only ever emits parents < i, and
@@ -387,6 +401,17 @@ def _trusted_tree(tokens: list[int], parents: list[int], probs: list[float],
     tree = object.__new__(DraftTree)
     tree.token_ids, tree.parents, tree.probs, tree.sources = tokens, parents, probs, sources
     return tree
+
+
+@functools.cache
+def warm_up_parallel() -> None:
+    """Load (or compile: ~1 min the first time) the threaded build kernel."""
+    drafter = NgramDrafter(DrafterConfig(capacity=40, max_trie_depth=4, draft_token_num=4,
+                                         draft_threads=2), warm=False)
+    ids = [f"warm{i}" for i in range(8)]
+    for rid in ids:
+        drafter.start(rid, [1, 2, 3, 1, 2])
+    drafter.propose(ids, [3] * len(ids))
 
 
 @functools.cache

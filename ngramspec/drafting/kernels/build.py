@@ -32,12 +32,12 @@ from ngramspec.drafting.sources import CONTEXT, CORPUS, TRIE
 C_SRC, C_A, C_B, C_OFF, C_LEN, C_NEXT, C_CLS = range(7)
 CURSOR_COLUMNS = 7
 K_SLOT, K_TOK, K_SRC, K_HEAD, K_TAIL = range(5)
-# params: budget, top-k children per cursor, anchors per source, occurrences per context match,
-# then the config's fixed sizes (scratch cursors, pool, group columns; tree nodes and evidence
-# slots of a request), the context's longest match, whether to calibrate and the corpora's
-# longest match.
-(P_BUDGET, P_LIMIT, P_ANCHORS, P_OCC, P_CURSORS, P_POOL, P_GROUPS, P_NODES, P_EVIDENCE,
- P_MAX_MATCH, P_CALIBRATE, P_SAM_MATCH) = range(12)
+# params (read-only in a build, so builds may run in parallel): top-k children per cursor,
+# anchors per source, occurrences per context match, then the config's fixed sizes (scratch
+# cursors, pool, group columns; tree nodes and evidence slots of a request), the context's
+# longest match, whether to calibrate and the corpora's longest match.
+(P_LIMIT, P_ANCHORS, P_OCC, P_CURSORS, P_POOL, P_GROUPS, P_NODES, P_EVIDENCE, P_MAX_MATCH,
+ P_CALIBRATE, P_SAM_MATCH) = range(11)
 # counts (int64): next cursor, next candidate, heap size, pool used
 N_CUR, N_CAND, N_HEAP, N_POOL = range(4)
 # A request's int buffer starts with: where its tokens begin in its context array, the number of
@@ -49,21 +49,21 @@ BUCKETS = np.asarray(BUCKET_EDGES, np.int64)
 
 
 class Scratch:
-    """Work arrays of one build, sized for the worst case of a config.
+    """Work arrays of a build, sized for the worst case of a config: one row per thread.
 
     They live in one int64 and one float64 buffer because numba's dispatch costs about 0.1 µs per
     argument, which was a tenth of a whole request-step with one argument per array.
     """
 
     def __init__(self, budget: int, limit: int, anchors: int, occurrences: int,
-                 num_corpora: int) -> None:
+                 num_corpora: int, threads: int = 1) -> None:
         root = root_cursors(anchors, num_corpora)
         self.cursors = root * (1 + (budget + 1) * limit) + 16
         self.pool = anchors * occurrences * (budget + 2) + 16
         self.groups = occurrences + 1
-        self.ints = np.zeros((CURSOR_COLUMNS + 6) * self.cursors + self.pool + 5 * self.groups + 4,
-                             np.int64)
-        self.floats = np.zeros(3 * self.cursors, np.float64)
+        ints = (CURSOR_COLUMNS + 6) * self.cursors + self.pool + 5 * self.groups + 4
+        self.ints = np.zeros((threads, ints), np.int64)
+        self.floats = np.zeros((threads, 3 * self.cursors), np.float64)
 
 
 def root_cursors(anchors: int, num_corpora: int) -> int:
@@ -371,8 +371,8 @@ def _root_cursors(cols, edges, tmeta, tstate, trie_start, tok, prev, cst, params
 
 
 @njit(cache=True)
-def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, min_path_prob, s_ints,
-          s_floats, r_ints, r_floats, stats, bank, work) -> int:
+def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, budget, min_path_prob,
+          s_ints, s_floats, r_ints, r_floats, stats, bank, work) -> int:
     """Fill the request's tree and evidence (`request_views`) from its context, the trie and the
     corpus bank (kernels/sam.py: states, trans, edges, roots and the request's match rows; no
     corpus is empty tables; work: int64 scratch of >= 3 anchors); returns the node count, which
@@ -386,7 +386,6 @@ def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, min_path_prob
     counts[:] = 0
     out_i[0, 0], out_i[1, 0], out_i[2, 0], out_p[0] = tok[n_tok - 1], -1, -1, 1.0
     ev_off[0], ev_off[1] = 0, 0
-    budget = params[P_BUDGET]
     r_ints[R_PENDING] = 1
     if budget <= 0:
         return 1

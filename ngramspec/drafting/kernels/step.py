@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import njit, types
+from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -144,40 +144,78 @@ def apply_queue(ops, tokens, addr, size, params, cal, prior, stats, cols, edges,
     return 0
 
 
+@njit(cache=True, inline="always")
+def _build_one(i, t, batch, out, out_p, addr, size, params, min_path_prob, cal, stats, s_ints,
+               s_floats, cols, edges, meta, states, trans, corpus_edges, roots, work) -> None:
+    """Request i of the batch with thread t's scratch: its tree into row i of `out` (tokens,
+    parents and sources, nodes columns each) and of `out_p` (path probabilities, then the node
+    count in the last column: one array less to convert)."""
+    nodes = params[bk.P_NODES]
+    num = batch.shape[0] // 2
+    slot = batch[i]
+    r_ints = _view(addr, size, slot, F_INTS, np.int64)
+    r_floats = _view(addr, size, slot, F_FLOATS, np.float64)
+    bank = (states, trans, corpus_edges, roots, _view2(addr, size, slot, F_MATCHES, 3, np.int64))
+    n = bk.build(cols, edges, meta, _view(addr, size, slot, F_TSTATE, np.int32),
+                 _view(addr, size, slot, F_TOK, np.int32), _view(addr, size, slot, F_PREV, np.int32),
+                 _view(addr, size, slot, F_ST, np.int64), cal, params, batch[num + i],
+                 min_path_prob, s_ints[t], s_floats[t], r_ints, r_floats, stats, bank, work[t])
+    for j in range(3 * nodes):
+        out[i, j] = r_ints[bk.R_HEAD + j]
+    for j in range(n):
+        out_p[i, j] = r_floats[j]
+    out_p[i, nodes] = n
+
+
 @njit(cache=True)
 def propose(ops, tokens, batch, out, out_p, addr, size, params, min_path_prob, cal, prior, stats,
             s_ints, s_floats, cols, edges, runs, meta, states, trans, corpus_edges, roots,
-            work) -> int:
-    """The queue, then one tree per request of `batch` (its slots, then their budgets). Row i
-    of `out` gets the tokens, parents and sources (nodes columns each); `out_p` row i the path
-    probabilities, then the node count (the last column: one array less to convert). The
-    request's own buffers keep the tree and its evidence for the commit that follows."""
+            work, thread_stats) -> int:
+    """The queue, then one tree per request of `batch` (its slots, then their budgets) with
+    thread 0's scratch (`_build_one`). The request's own buffers keep the tree and its evidence
+    for the commit that follows."""
     batch, out, out_p, s_ints, s_floats = _raw(batch), _raw(out), _raw(out_p), _raw(s_ints), \
         _raw(s_floats)
     states, trans, corpus_edges, roots = _raw(states), _raw(trans), _raw(corpus_edges), _raw(roots)
     addr, size, params, cal, stats = _raw(addr), _raw(size), _raw(params), _raw(cal), _raw(stats)
     cols, edges, meta, work = _raw(cols), _raw(edges), _raw(meta), _raw(work)
     failed = apply_queue(ops, tokens, addr, size, params, cal, prior, stats, cols, edges, runs,
-                         meta, work)
+                         meta, work[0])
     if failed:
         return failed
-    nodes = params[bk.P_NODES]
+    for i in range(batch.shape[0] // 2):
+        _build_one(i, 0, batch, out, out_p, addr, size, params, min_path_prob, cal, stats,
+                   s_ints, s_floats, cols, edges, meta, states, trans, corpus_edges, roots, work)
+    return 0
+
+
+@njit(cache=True, parallel=True)
+def propose_parallel(ops, tokens, batch, out, out_p, addr, size, params, min_path_prob, cal,
+                     prior, stats, s_ints, s_floats, cols, edges, runs, meta, states, trans,
+                     corpus_edges, roots, work, thread_stats) -> int:
+    """`propose` with the trees built by as many threads as `s_ints` has rows: the queue runs
+    first, alone (it writes the shared trie and calibration); a build only reads those and
+    writes its own request's buffers and its thread's scratch and counts, so the trees are the
+    same whatever the threads (thread t takes requests t, t + T, ...: no scheduling decides)."""
+    batch, out, out_p, s_ints, s_floats = _raw(batch), _raw(out), _raw(out_p), _raw(s_ints), \
+        _raw(s_floats)
+    states, trans, corpus_edges, roots = _raw(states), _raw(trans), _raw(corpus_edges), _raw(roots)
+    addr, size, params, cal, stats = _raw(addr), _raw(size), _raw(params), _raw(cal), _raw(stats)
+    cols, edges, meta, work = _raw(cols), _raw(edges), _raw(meta), _raw(work)
+    thread_stats = _raw(thread_stats)
+    failed = apply_queue(ops, tokens, addr, size, params, cal, prior, stats, cols, edges, runs,
+                         meta, work[0])
+    if failed:
+        return failed
+    threads = s_ints.shape[0]
     num = batch.shape[0] // 2
-    for i in range(num):
-        slot = batch[i]
-        r_ints = _view(addr, size, slot, F_INTS, np.int64)
-        r_floats = _view(addr, size, slot, F_FLOATS, np.float64)
-        params[bk.P_BUDGET] = batch[num + i]
-        bank = (states, trans, corpus_edges, roots,
-                _view2(addr, size, slot, F_MATCHES, 3, np.int64))
-        n = bk.build(cols, edges, meta, _view(addr, size, slot, F_TSTATE, np.int32),
-                     _view(addr, size, slot, F_TOK, np.int32),
-                     _view(addr, size, slot, F_PREV, np.int32),
-                     _view(addr, size, slot, F_ST, np.int64), cal, params, min_path_prob,
-                     s_ints, s_floats, r_ints, r_floats, stats, bank, work)
-        for j in range(3 * nodes):
-            out[i, j] = r_ints[bk.R_HEAD + j]
-        for j in range(n):
-            out_p[i, j] = r_floats[j]
-        out_p[i, nodes] = n
+    for t in prange(threads):
+        for i in range(t, num, threads):
+            _build_one(i, t, batch, out, out_p, addr, size, params, min_path_prob, cal,
+                       thread_stats[t], s_ints, s_floats, cols, edges, meta, states, trans,
+                       corpus_edges, roots, work)
+    for t in range(threads):  # each thread counted its own drafts (a shared += would race)
+        for j in range(stats.shape[0]):
+            stats[j] += thread_stats[t, j]
+            thread_stats[t, j] = 0
     return 0
