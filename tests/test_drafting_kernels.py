@@ -324,7 +324,7 @@ class _Lockstep:
         for x, y in zip(trees_a, trees_b, strict=True):
             assert (x.token_ids, x.parents, x.probs, x.sources) == \
                 (y.token_ids, y.parents, y.probs, y.sources)
-        self.proposes += len(request_ids) >= 8
+        self.proposes += len(request_ids) >= 12  # the threaded kernel's threshold at 3 threads
         return trees_a
 
     def commit(self, request_id, accepted_token_ids) -> None:
@@ -367,3 +367,17 @@ def test_threaded_builds_give_the_same_trees() -> None:
 def test_draft_threads_is_validated() -> None:
     with pytest.raises(ValueError, match="draft_threads"):
         DrafterConfig(draft_threads=0)
+
+
+def test_a_batch_naming_a_request_twice_is_built_by_one_thread() -> None:
+    """Two threads must never build one request at once: such a batch takes the serial kernel
+    and gives what one thread gives."""
+    one, two = NgramDrafter(DrafterConfig()), NgramDrafter(DrafterConfig(draft_threads=2))
+    ids = [f"r{i}" for i in range(8)]
+    for d in (one, two):
+        for i, rid in enumerate(ids):
+            d.start(rid, [1, 2, 3, i, 1, 2, 3, i + 1, 1, 2])
+    batch = ids + ids  # each request twice
+    trees_one, trees_two = one.propose(batch, [5] * 16), two.propose(batch, [5] * 16)
+    assert [t.token_ids for t in trees_one] == [t.token_ids for t in trees_two]
+    assert trees_two[0].token_ids == trees_two[8].token_ids

@@ -88,6 +88,8 @@ class NgramDrafter:
             if config.draft_threads > 1:
                 warm_up_parallel()
         self.config = config
+        # Fixed here: a later change to the (mutable) config must not outgrow the threads' rows.
+        self._threads = config.draft_threads
         self.corpora = corpora
         self._trie = NgramTrie(config.capacity, config.max_trie_depth)
         self.calibrator = SourceCalibrator(config.calibrate, config.calibration_prior_weight)
@@ -112,11 +114,10 @@ class NgramDrafter:
         # The kernels' scratch (trie levels, a tree's nodes, root anchors): allocating inside
         # a kernel costs a malloc and two atomic reference counts, more than the work.
         # One row per build thread (rows padded to a cache line: threads write their own).
-        self._work = np.zeros((config.draft_threads, _padded(max(
+        self._work = np.zeros((self._threads, bk.padded(max(
             2 * config.max_trie_depth, config.num_draft_tokens + 1,
             3 * config.max_anchors_per_source))), np.int64)
-        self._thread_counts = np.zeros((config.draft_threads, _padded(2 * NUM_SOURCES)), np.int64)
-        self._propose_kernel = step.propose_parallel if config.draft_threads > 1 else step.propose
+        self._thread_counts = np.zeros((self._threads, bk.padded(2 * NUM_SOURCES)), np.int64)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -288,8 +289,11 @@ class NgramDrafter:
         bank = layout.bank or _NO_BANK
         # numpy calls cost ~0.3 µs each, which shows with one request: one array for the batch
         batch = np.array(slots + capped, np.int64)  # slots, then budgets
-        # Threads only pay off with a few requests each (a parallel region costs ~1.5 µs).
-        kernel = self._propose_kernel if num >= 4 * self.config.draft_threads else step.propose
+        # Threads only pay off with a few requests each (a parallel region costs ~1.5 µs); a slot
+        # named twice (a caller's bug) would be built by two threads at once.
+        kernel = step.propose
+        if self._threads > 1 and num >= 4 * self._threads and len(set(slots)) == num:
+            kernel = step.propose_parallel
         failed = kernel(
             ops, tokens, batch, out, out_p, table.addr, table.size, layout.params,
             self._min_path_prob, cal.cal, cal.prior, self._counts, s.ints, s.floats, trie.cols,
@@ -325,7 +329,7 @@ class NgramDrafter:
         num_corpora = len(sams)
         scratch = bk.Scratch(cfg.num_draft_tokens, cfg.max_bfs_breadth,
                              cfg.max_anchors_per_source, cfg.max_context_occurrences, num_corpora,
-                             cfg.draft_threads)
+                             self._threads)
         ints, floats = bk.request_sizes(cfg.num_draft_tokens, cfg.max_anchors_per_source,
                                         num_corpora)
         bank = CorpusBank(list(sams.values())) if sams else None
@@ -387,11 +391,6 @@ def _matches(layout: _Layout) -> np.ndarray:
     if layout.bank is None:
         return np.zeros((0, 3), np.int64)
     return layout.bank.new_matches()
-
-
-def _padded(columns: int) -> int:
-    """Columns rounded up to whole 64-byte lines of int64."""
-    return -(-columns // 8) * 8
 
 
 def _trusted_tree(tokens: list[int], parents: list[int], probs: list[float],

@@ -62,8 +62,15 @@ class Scratch:
         self.pool = anchors * occurrences * (budget + 2) + 16
         self.groups = occurrences + 1
         ints = (CURSOR_COLUMNS + 6) * self.cursors + self.pool + 5 * self.groups + 4
-        self.ints = np.zeros((threads, ints), np.int64)
-        self.floats = np.zeros((threads, 3 * self.cursors), np.float64)
+        # Rows a cache line apart at least: each thread writes its own.
+        self.ints = np.zeros((threads, padded(ints)), np.int64)
+        self.floats = np.zeros((threads, padded(3 * self.cursors)), np.float64)
+
+
+def padded(columns: int) -> int:
+    """8-byte columns rounded up to whole 64-byte lines plus one spare line, so rows of an
+    array that does not start on a line boundary still never share one."""
+    return -(-columns // 8) * 8 + 8
 
 
 def root_cursors(anchors: int, num_corpora: int) -> int:

@@ -35,7 +35,7 @@ def prefetch(typingctx, arr, row):
         i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
         fn = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-            "llvm.prefetch.p0")
+            "llvm.prefetch")  # unsuffixed: LLVM names it for its own pointer types
         # read, high temporal locality, data cache
         builder.call(fn, [builder.bitcast(pointer, i8p), i32(0), i32(3), i32(1)])
         return context.get_dummy_value()

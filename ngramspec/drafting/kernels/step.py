@@ -105,7 +105,8 @@ def _view2(addr, size, slot, f, columns, dtype):
 @njit(cache=True, inline="always")
 def _raw(a):
     """`a` without its reference count: numba's atomic incref/decref on every array handed to a
-    callee or sliced cost more than the work (perf: ~40% of a step's kernel time); an array
+    callee or sliced cost more than the work (perf: ~16% of a replay's samples, more than a
+    third of the kernels' own); an array
     from a bare address has no meminfo, so those become a null test. The caller's Python frame
     holds `a` for the whole call."""
     if not a.flags.c_contiguous:
@@ -173,7 +174,7 @@ def propose(ops, tokens, batch, out, out_p, addr, size, params, min_path_prob, c
             work, thread_stats) -> int:
     """The queue, then one tree per request of `batch` (its slots, then their budgets) with
     thread 0's scratch (`_build_one`). The request's own buffers keep the tree and its evidence
-    for the commit that follows."""
+    for the commit that follows. `thread_stats` is unused: the signature is propose_parallel's."""
     batch, out, out_p, s_ints, s_floats = _raw(batch), _raw(out), _raw(out_p), _raw(s_ints), \
         _raw(s_floats)
     states, trans, corpus_edges, roots = _raw(states), _raw(trans), _raw(corpus_edges), _raw(roots)
@@ -196,7 +197,8 @@ def propose_parallel(ops, tokens, batch, out, out_p, addr, size, params, min_pat
     """`propose` with the trees built by as many threads as `s_ints` has rows: the queue runs
     first, alone (it writes the shared trie and calibration); a build only reads those and
     writes its own request's buffers and its thread's scratch and counts, so the trees are the
-    same whatever the threads (thread t takes requests t, t + T, ...: no scheduling decides)."""
+    same whatever the threads (thread t takes the t-th of T contiguous blocks of the batch: no
+    scheduling decides). The batch must not name a slot twice (two threads would build it)."""
     batch, out, out_p, s_ints, s_floats = _raw(batch), _raw(out), _raw(out_p), _raw(s_ints), \
         _raw(s_floats)
     states, trans, corpus_edges, roots = _raw(states), _raw(trans), _raw(corpus_edges), _raw(roots)
@@ -207,10 +209,10 @@ def propose_parallel(ops, tokens, batch, out, out_p, addr, size, params, min_pat
                          meta, work[0])
     if failed:
         return failed
-    threads = s_ints.shape[0]
+    threads = min(s_ints.shape[0], work.shape[0], thread_stats.shape[0])
     num = batch.shape[0] // 2
     for t in prange(threads):
-        for i in range(t, num, threads):
+        for i in range(t * num // threads, (t + 1) * num // threads):
             _build_one(i, t, batch, out, out_p, addr, size, params, min_path_prob, cal,
                        thread_stats[t], s_ints, s_floats, cols, edges, meta, states, trans,
                        corpus_edges, roots, work)
