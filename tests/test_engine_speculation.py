@@ -57,6 +57,29 @@ def test_greedy_spec_equals_plain_with_staggered_arrivals(llm, spec_llm):
         check_divergence(llm, name, prompt, seq.output_ids, ref)
 
 
+def test_greedy_spec_equals_plain_with_threaded_drafting(llm, monkeypatch):
+    """--draft-threads: the batch's trees built on two threads beside torch's own; output as
+    plain decoding, and the threaded kernel really ran."""
+    from ngramspec.drafting.kernels import step
+
+    calls = []
+    threaded = step.propose_parallel
+
+    def counted(*args):
+        calls.append(len(args[2]) // 2)
+        return threaded(*args)
+
+    monkeypatch.setattr(step, "propose_parallel", counted)
+    prompts = spec_prompts()[:12]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    plain = llm.generate([p for _, p, _ in prompts], params)
+    spec = LLM(num_threads=2, dtype="float32", speculative="ngram", verify_cost=FLAT_COST,
+               draft_threads=2).generate([p for _, p, _ in prompts], params)
+    assert calls and max(calls) >= 8
+    for (name, prompt, _), a, b in zip(prompts, spec, plain):
+        check_divergence(llm, name, prompt, a.token_ids, b.token_ids)
+
+
 def _amx() -> bool:
     from ngramspec.kernels import cpu_kernels, kernels_available
 
