@@ -320,7 +320,8 @@ class _Lockstep:
         self.b.start(request_id, prompt, references=references)
 
     def propose(self, request_ids, budgets):
-        trees_a, trees_b = self.a.propose(request_ids, budgets), self.b.propose(request_ids, budgets)
+        trees_a = self.a.propose(request_ids, budgets)
+        trees_b = self.b.propose(request_ids, budgets)
         for x, y in zip(trees_a, trees_b, strict=True):
             assert (x.token_ids, x.parents, x.probs, x.sources) == \
                 (y.token_ids, y.parents, y.probs, y.sources)

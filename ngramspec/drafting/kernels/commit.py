@@ -3,7 +3,6 @@ counting."""
 
 from __future__ import annotations
 
-import numpy as np
 from numba import njit
 
 from ngramspec.drafting.kernels import context as cx

@@ -106,9 +106,8 @@ def _view2(addr, size, slot, f, columns, dtype):
 def _raw(a):
     """`a` without its reference count: numba's atomic incref/decref on every array handed to a
     callee or sliced cost more than the work (perf: ~16% of a replay's samples, more than a
-    third of the kernels' own); an array
-    from a bare address has no meminfo, so those become a null test. The caller's Python frame
-    holds `a` for the whole call."""
+    third of the kernels' own); an array from a bare address has no meminfo, so those become a
+    null test. The caller's Python frame holds `a` for the whole call."""
     if not a.flags.c_contiguous:
         raise ValueError("drafter kernels take C-contiguous arrays only")
     return numba.carray(_pointer(a.ctypes.data), a.shape, a.dtype)
@@ -158,7 +157,8 @@ def _build_one(i, t, batch, out, out_p, addr, size, params, min_path_prob, cal, 
     r_floats = _view(addr, size, slot, F_FLOATS, np.float64)
     bank = (states, trans, corpus_edges, roots, _view2(addr, size, slot, F_MATCHES, 3, np.int64))
     n = bk.build(cols, edges, meta, _view(addr, size, slot, F_TSTATE, np.int32),
-                 _view(addr, size, slot, F_TOK, np.int32), _view(addr, size, slot, F_PREV, np.int32),
+                 _view(addr, size, slot, F_TOK, np.int32),
+                 _view(addr, size, slot, F_PREV, np.int32),
                  _view(addr, size, slot, F_ST, np.int64), cal, params, batch[num + i],
                  min_path_prob, s_ints[t], s_floats[t], r_ints, r_floats, stats, bank, work[t])
     for j in range(3 * nodes):
