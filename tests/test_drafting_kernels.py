@@ -306,7 +306,7 @@ def test_step_kernels_refuse_non_contiguous_arrays() -> None:
     with pytest.raises(ValueError, match="C-contiguous"):
         step.apply_queue(ops, np.zeros(0, np.int32), table.addr, table.size,
                          drafter._layout.params, cal.cal, cal.prior, drafter._counts, trie.cols,
-                         trie.edges, trie.runs, trie.meta, drafter._work[0])
+                         trie.edges, trie.runs, trie.meta, drafter._layout.scratch.work[0])
 
 
 class _Lockstep:

@@ -111,13 +111,6 @@ class NgramDrafter:
         self._layout = self._new_layout({})
         self._current_layout()  # the corpus bank is built here, not in the first step
         self._counts = np.zeros(2 * NUM_SOURCES, np.int64)  # drafted, then accepted, by source
-        # The kernels' scratch (trie levels, a tree's nodes, root anchors): allocating inside
-        # a kernel costs a malloc and two atomic reference counts, more than the work.
-        # One row per build thread (rows padded to a cache line: threads write their own).
-        self._work = np.zeros((self._threads, bk.padded(max(
-            2 * config.max_trie_depth, config.num_draft_tokens + 1,
-            3 * config.max_anchors_per_source))), np.int64)
-        self._thread_counts = np.zeros((self._threads, bk.padded(2 * NUM_SOURCES)), np.int64)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -257,7 +250,7 @@ class NgramDrafter:
         trie, cal, table = self._trie, self.calibrator, self._table
         failed = step.apply_queue(ops, tokens, table.addr, table.size, self._layout.params,
                                   cal.cal, cal.prior, self._counts, trie.cols, trie.edges,
-                                  trie.runs, trie.meta, self._work[0])
+                                  trie.runs, trie.meta, self._layout.scratch.work[0])
         self._after_queue(failed)
 
     # ----------------------------------------------------------------- proposing
@@ -298,7 +291,7 @@ class NgramDrafter:
             ops, tokens, batch, out, out_p, table.addr, table.size, layout.params,
             self._min_path_prob, cal.cal, cal.prior, self._counts, s.ints, s.floats, trie.cols,
             trie.edges, trie.runs, trie.meta, bank.states, bank.trans, bank.edges, bank.roots,
-            self._work, self._thread_counts)
+            s.work, s.counts)
         self._after_queue(failed)
         # One list per field straight from tolist (slicing four lists cost ~0.2 µs a request).
         trees = []
@@ -329,7 +322,7 @@ class NgramDrafter:
         num_corpora = len(sams)
         scratch = bk.Scratch(cfg.num_draft_tokens, cfg.max_bfs_breadth,
                              cfg.max_anchors_per_source, cfg.max_context_occurrences, num_corpora,
-                             self._threads)
+                             cfg.max_trie_depth, 2 * NUM_SOURCES, self._threads)
         ints, floats = bk.request_sizes(cfg.num_draft_tokens, cfg.max_anchors_per_source,
                                         num_corpora)
         bank = CorpusBank(list(sams.values())) if sams else None
@@ -404,7 +397,7 @@ def _trusted_tree(tokens: list[int], parents: list[int], probs: list[float],
 
 @functools.cache
 def warm_up_parallel() -> None:
-    """Load (or compile: ~1 min the first time) the threaded build kernel."""
+    """Load (or compile: ~20 s the first time) the threaded build kernel."""
     drafter = NgramDrafter(DrafterConfig(capacity=40, max_trie_depth=4, draft_token_num=4,
                                          draft_threads=2), warm=False)
     ids = [f"warm{i}" for i in range(8)]

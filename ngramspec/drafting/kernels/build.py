@@ -49,22 +49,29 @@ BUCKETS = np.asarray(BUCKET_EDGES, np.int64)
 
 
 class Scratch:
-    """Work arrays of a build, sized for the worst case of a config: one row per thread.
-
-    They live in one int64 and one float64 buffer because numba's dispatch costs about 0.1 µs per
-    argument, which was a tenth of a whole request-step with one argument per array.
+    """The kernels' work arrays, sized for the worst case of a config, one row per build thread
+    (rows a cache line apart at least: each thread writes its own row):
+      ints, floats  a build's cursors, candidates, heap, pool and groups (`_scratch_views`), in
+                    one buffer per dtype because numba's dispatch costs about 0.1 µs per argument,
+                    a tenth of a whole request-step with one argument per array;
+      work          the trie levels of a commit, a tree's accepted flags, a build's root anchors
+                    (allocating them inside a kernel cost a malloc and two atomic reference
+                    counts, more than the work); row 0 serves the queue;
+      counts        the drafts each thread placed by source (summed after the builds).
     """
 
     def __init__(self, budget: int, limit: int, anchors: int, occurrences: int,
-                 num_corpora: int, threads: int = 1) -> None:
+                 num_corpora: int, depth: int, sources: int, threads: int = 1) -> None:
         root = root_cursors(anchors, num_corpora)
         self.cursors = root * (1 + (budget + 1) * limit) + 16
         self.pool = anchors * occurrences * (budget + 2) + 16
         self.groups = occurrences + 1
         ints = (CURSOR_COLUMNS + 6) * self.cursors + self.pool + 5 * self.groups + 4
-        # Rows a cache line apart at least: each thread writes its own.
         self.ints = np.zeros((threads, padded(ints)), np.int64)
         self.floats = np.zeros((threads, padded(3 * self.cursors)), np.float64)
+        work = max(2 * depth, budget + 1, 3 * anchors)
+        self.work = np.zeros((threads, padded(work)), np.int64)
+        self.counts = np.zeros((threads, padded(sources)), np.int64)
 
 
 def padded(columns: int) -> int:
