@@ -24,6 +24,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="K/V storage (auto: the activations' dtype; bfloat16 with --quantization gguf)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "triton"],
                    help="auto: the C++ kernel on the CPU, Triton on CUDA (SDPA where missing)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="on CUDA, launch every kernel from Python instead of replaying CUDA graphs")
     g.add_argument("--max-model-len", type=int, default=4096)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -66,7 +68,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     spec = None if args.speculative in (None, "none") else args.speculative
     return dict(model=args.model, device=args.device, dtype=args.dtype,
                 quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                attention_backend=args.attention_backend,
+                attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), num_threads=args.threads,

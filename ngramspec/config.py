@@ -30,6 +30,9 @@ class EngineConfig:
     # cannot build), the Triton kernel on CUDA where triton is installed (else SDPA); "sdpa" =
     # PyTorch SDPA with explicit masks (the reference); "triton" = layers/triton_attention.py.
     attention_backend: Literal["auto", "sdpa", "triton"] = "auto"
+    # On CUDA, decode and tree-verify steps replay as CUDA graphs (engine/cuda_graphs.py) unless
+    # this is set; prefill chunks longer than 64 tokens, and the SDPA backend, always run eagerly.
+    enforce_eager: bool = False
     max_model_len: int = 4096
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024

@@ -40,36 +40,65 @@ NG="$PY -m ngramspec"
 QUESTIONS="${QUESTIONS:-$PWD/.model/b/question.jsonl}"  # staged: ../shared does not travel
 [ -f "$QUESTIONS" ] || QUESTIONS=/work/shared/data/spec_bench/question.jsonl
 
-ATTN=auto
+ATTN=auto; EAGER=""
+smoke() {  # a broken Triton kernel or graph capture must not cost the benchmarks
+  timeout 150 $PY -m ngramspec generate --device cuda "$@" --speculative ngram --max-tokens 32 \
+    "Repeat: one two three, one two three, one two" >> "$OUT/log.txt" 2>&1
+}
 if [ "$DEVICE" = cuda ]; then
-  log "triton attention smoke check"  # a broken Triton kernel must not cost the benchmarks
-  if ! timeout 120 $PY -m ngramspec generate --device cuda --attention-backend triton \
-      --speculative ngram --max-tokens 32 "Repeat: one two three, one two three, one two" \
-      >> "$OUT/log.txt" 2>&1; then
-    ATTN=sdpa; log "triton attention FAILED: benchmarks use --attention-backend sdpa"
+  log "smoke check: triton attention, CUDA graphs (also compiles and caches the numba drafter)"
+  if ! smoke --attention-backend triton; then
+    log "triton + CUDA graphs FAILED; trying triton eager"
+    if smoke --attention-backend triton --enforce-eager; then
+      EAGER=--enforce-eager; log "benchmarks use --enforce-eager"
+    else
+      ATTN=sdpa; log "triton attention FAILED: benchmarks use --attention-backend sdpa (eager)"
+    fi
   fi
+  log "plain decode, CUDA graphs vs eager (bundled model, bf16, 1 request, 128 tokens)"
+  timeout 90 $PY - "$ATTN" > /tmp/graphs_ab.json 2>> "$OUT/log.txt" <<'PY'
+import json, sys, time
+import torch
+from ngramspec import LLM, SamplingParams
+params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+prompt = "Write a short story about a lighthouse keeper."
+out = {}
+for eager in (True, False):
+    llm = LLM(device="cuda", attention_backend=sys.argv[1], enforce_eager=eager)
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16))  # warm-up
+    best = 0.0
+    for _ in range(3):
+        torch.cuda.synchronize(); t0 = time.perf_counter()
+        n = len(llm.generate([prompt], params)[0].token_ids)
+        torch.cuda.synchronize(); best = max(best, n / (time.perf_counter() - t0))
+    out["eager_tok_s" if eager else "graphs_tok_s"] = round(best, 1)
+    del llm
+out["graphs_speedup"] = round(out["graphs_tok_s"] / out["eager_tok_s"], 2)
+print(json.dumps(out))
+PY
+  cat /tmp/graphs_ab.json >> "$OUT/log.txt"
 fi
 log "tests"
 if [ "$DEVICE" = cuda ]; then
-  timeout 180 $PY -m pytest -q -m gpu tests/test_cuda.py -p no:cacheprovider -s \
+  timeout 150 $PY -m pytest -q -m gpu tests/test_cuda.py -p no:cacheprovider -s \
     > "$OUT/tests.txt" 2>&1; echo "rc=$?" >> "$OUT/tests.txt"
 fi
 log "bench engine"
-timeout 80 $NG bench engine --device "$DEVICE" --attention-backend "$ATTN" \
+timeout 80 $NG bench engine --device "$DEVICE" --attention-backend "$ATTN" $EAGER \
   --prompts "$QUESTIONS" --num-prompts 4 \
   --concurrency "$CONC_HI" --max-tokens "$TOKENS" --hf-sequential-from-b1 --json \
   > "$OUT/engine.json" 2>> "$OUT/log.txt"
 for wl in code_edit spec_bench; do
   for c in 1 "$CONC_HI"; do
     log "bench speed $wl c=$c"
-    timeout 55 $NG bench speed --device "$DEVICE" --attention-backend "$ATTN" \
+    timeout 50 $NG bench speed --device "$DEVICE" --attention-backend "$ATTN" $EAGER \
       --workload "$wl" --concurrency "$c" \
       --limit "$(limit "$wl" "$c")" --max-tokens "$TOKENS" --spec-bench-path "$QUESTIONS" --skip-hf \
       --skip-verify-cost --json > "$OUT/speed_${wl}_c${c}.json" 2>> "$OUT/log.txt"
   done
 done
 log "summary"
-$PY - "$OUT" "$ATTN" <<'PY' > "$OUT/summary.json"
+$PY - "$OUT" "$ATTN" "$EAGER" <<'PY' > "$OUT/summary.json"
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
 def load(name):
@@ -95,7 +124,12 @@ s["checks"] = {
     "spec_mismatches": sum(overall(k, "spec_mismatches") or 0 for k in s if k.startswith("speed_")),
     "tests": tests[-1] if tests else None,
     "attention_backend": sys.argv[2],
+    "cuda_graphs": sys.argv[3] != "--enforce-eager",
 }
+try:
+    s["checks"]["graphs_vs_eager_b1"] = json.loads(pathlib.Path("/tmp/graphs_ab.json").read_text())
+except Exception as e:
+    s["checks"]["graphs_vs_eager_b1"] = f"not measured: {e}"
 print(json.dumps(s, indent=1))
 PY
 log "done"

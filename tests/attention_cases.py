@@ -7,7 +7,8 @@ import random
 
 import torch
 
-from ngramspec.engine.model_runner import ForwardItem, ModelRunner
+from ngramspec.engine.model_runner import ForwardItem, ModelRunner, paged_metadata
+from ngramspec.engine.step_inputs import flatten
 from ngramspec.layers.attention import AttentionMetadata, KVCache, ReferenceAttention
 
 # (query heads, KV heads, head size, dtype): SmolLM2's grouping; no grouping with a head size that
@@ -67,7 +68,7 @@ def check_against_sdpa(heads: int, kv_heads: int, head_dim: int, dtype: torch.dt
     runner.device, runner._causal = device, {}
     expected = ReferenceAttention()(0, q, k, v, caches[0],
                                     AttentionMetadata(slot_mapping, runner._groups(items)))
-    meta = AttentionMetadata(slot_mapping, [], ModelRunner._paged(items, device))
+    meta = AttentionMetadata(slot_mapping, [], paged_metadata(flatten(items), device))
     got = TritonPagedAttention()(0, q, k, v, caches[1], meta)
     assert torch.equal(caches[0].k, caches[1].k)  # both wrote the new K/V to the same slots
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2

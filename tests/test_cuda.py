@@ -65,6 +65,34 @@ def test_cuda_fp32_greedy_spec_equals_plain(tiny_model_dirs, arch):
     assert spec_llm.engine.stats.num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_cuda_graphs_give_the_eager_tokens(tiny_model_dirs, speculative):
+    """Decodes and trees replayed as CUDA graphs (the default on CUDA) against launching every
+    kernel (enforce_eager), fp32; the graphs must have served most steps."""
+    options = dict(model=str(tiny_model_dirs["llama"]), device="cuda", dtype="float32",
+                   speculative=speculative, verify_cost=FLAT_COST)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    prompts = _repetitive_prompts(6, 500)
+    eager = LLM(enforce_eager=True, **options)
+    assert eager.engine.runner.graphs is None
+    expected = [o.token_ids for o in eager.generate(prompts, params)]
+    llm = LLM(**options)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and len(graphs.graphs) == len(graphs.buckets)  # captured at start
+    replayed = 0
+    run = graphs.run
+
+    def counting(flat):
+        nonlocal replayed
+        out = run(flat)
+        replayed += out is not None
+        return out
+
+    graphs.run = counting
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert replayed >= 20
+
+
 def _top2_gap(llm: LLM, prompt: list[int], output: list[int], at: int) -> float:
     """The plain model's logit gap between its top two tokens before output[at]."""
     ids = prompt + output[:at]

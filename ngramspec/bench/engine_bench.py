@@ -92,14 +92,15 @@ def hf_tok_s(model, prompts: list[list[int]], max_tokens: int, pad_id: int, batc
 
 def run_bench(model: str | None, questions: list[str], max_tokens: int, concurrency: int,
               threads: int, hf_sequential_c16: bool = True, device: str = "auto",
-              attention_backend: str = "auto") -> dict[str, Any]:
+              attention_backend: str = "auto", enforce_eager: bool = False) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
     from ngramspec import LLM
     from ngramspec.models.loader import resolve_model_dir
 
-    llm = LLM(model, num_threads=threads, device=device, attention_backend=attention_backend)
+    llm = LLM(model, num_threads=threads, device=device, attention_backend=attention_backend,
+              enforce_eager=enforce_eager)
     dev = llm.engine.runner.device
     torch.set_num_threads(threads)  # HF runs in the same process with the same thread count
     # Each side in its default dtype for the device: bf16 on CUDA (ours too), fp32 on the CPU.
@@ -171,6 +172,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "run instead of generating them all again one by one")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "triton"],
                    help="ours: EngineConfig.attention_backend")
+    p.add_argument("--enforce-eager", action="store_true", help="ours: no CUDA graphs")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -183,7 +185,7 @@ def run_engine_bench(args: argparse.Namespace) -> int:
     questions = load_questions(args.prompts, args.num_prompts + args.concurrency)
     r = run_bench(args.model, questions, args.max_tokens, args.concurrency, args.threads,
                   hf_sequential_c16=not args.hf_sequential_from_b1, device=args.device,
-                  attention_backend=args.attention_backend)
+                  attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
     return emit(r, args.json, print_results)
 
 

@@ -20,6 +20,7 @@ from ngramspec.config import EngineConfig
 from ngramspec.drafting.config import CorpusSnapshot
 from ngramspec.drafting.protocol import Drafter
 from ngramspec.drafting.tree import DraftTree
+from ngramspec.engine.cuda_graphs import GraphLimits
 from ngramspec.engine.kv_cache import SlotAllocator
 from ngramspec.engine.logprobs import TokenLogprob, prompt_logprobs, step_logprobs
 from ngramspec.engine.model_runner import ForwardItem, ModelRunner
@@ -76,7 +77,8 @@ class LLMEngine:
             self.runner = ModelRunner(self.model_cfg, load_state_dict(model_dir), num_slots,
                                       self.max_model_len, dtype, device,
                                       self._gguf_weights(config), config.torch_kv_dtype,
-                                      attention_backend=config.attention_backend)
+                                      attention_backend=config.attention_backend,
+                                      graphs=self._graph_limits(config, device))
         self.scheduler = Scheduler(num_slots, config.max_num_seqs, config.max_num_batched_tokens,
                                    prefix_cache=config.enable_prefix_caching)
         # A sequence longer than the whole cache could never be rescheduled (it would wait forever),
@@ -95,6 +97,12 @@ class LLMEngine:
         # them out of the collector (as vLLM does after start-up); later garbage is still collected.
         gc.collect()
         gc.freeze()
+
+    def _graph_limits(self, config: EngineConfig, device: torch.device) -> GraphLimits | None:
+        if device.type != "cuda" or config.enforce_eager:
+            return None
+        return GraphLimits.for_engine(config.max_num_batched_tokens, config.max_num_seqs,
+                                      self.max_model_len)
 
     def _gguf_weights(self, config: EngineConfig) -> dict | None:
         if not config.uses_gguf_kernels:

@@ -6,10 +6,11 @@ import bisect
 import importlib.util
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from ngramspec.engine.cuda_graphs import GraphLimits, StepGraphs
+from ngramspec.engine.step_inputs import FlatStep, ForwardItem, flatten
 from ngramspec.kernels import cpu_kernels, kernels_available
 from ngramspec.layers.attention import (
     AttentionGroup,
@@ -23,28 +24,18 @@ from ngramspec.models.config import ModelConfig
 from ngramspec.models.llama import LlamaForCausalLM
 
 
-@dataclass(slots=True)
-class ForwardItem:
-    """One sequence's share of a forward pass."""
-
-    token_ids: list[int]  # [n] query tokens
-    positions: list[int]  # [n]
-    prefix_slots: list[int]  # K/V slots already cached, attended by every query token
-    slots: list[int]  # [n] where the query tokens' K/V are written
-    local_mask: list[list[bool]] | None  # [n, n] mask among query tokens; None = causal
-    logits_rows: list[int]  # query rows whose logits are needed
-
-
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, state: dict[str, torch.Tensor], num_slots: int,
                  max_model_len: int, dtype: torch.dtype, device: torch.device,
                  gguf_weights: dict | None = None, kv_dtype: torch.dtype | None = None,
                  all_reduce: Callable[[torch.Tensor], None] | None = None,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", graphs: GraphLimits | None = None) -> None:
         """`gguf_weights` ({HF name: GGUFWeight}): matrices to run from their GGUF blocks;
         `kv_dtype`: the K/V cache's dtype (default: `dtype`); `all_reduce`: sums a tensor over
         the tensor-parallel ranks in place (engine/parallel.py; `model_cfg` is then this rank's
-        slice); `attention_backend`: EngineConfig.attention_backend."""
+        slice); `attention_backend`: EngineConfig.attention_backend; `graphs`: replay steps that
+        fit these limits as CUDA graphs (engine/cuda_graphs.py; paged attention only, SDPA runs
+        eagerly; on the CPU the padded static inputs run without capture, for the tests)."""
         self.device, self.dtype = device, dtype
         self.all_reduce = all_reduce
         self.model_cfg = model_cfg
@@ -57,9 +48,23 @@ class ModelRunner:
         if kv_dtype != dtype and not self.paged:
             raise ValueError(f"a {kv_dtype} KV cache under {dtype} activations needs the CPU "
                              "or Triton attention kernel; use the same dtype on this device")
-        self.cache = KVCache(model_cfg.num_layers, num_slots, model_cfg.num_kv_heads,
+        # one row past the allocator's slots: where padded graph steps write their pad tokens
+        self.pad_slot = num_slots
+        self.cache = KVCache(model_cfg.num_layers, num_slots + 1, model_cfg.num_kv_heads,
                              model_cfg.head_dim, kv_dtype, device)
         self._causal: dict[int, torch.Tensor] = {}
+        # SDPA builds per-step groups and masks, which a graph cannot hold: it runs eagerly
+        self.graph_limits = graphs if self.paged else None
+        self.graphs = self._graphs()
+
+    def _graphs(self) -> StepGraphs | None:
+        if self.graph_limits is None:
+            return None
+        graphs = StepGraphs(self.model, self.cache, self.pad_slot, self.graph_limits, self.device,
+                            capture=self.device.type == "cuda")
+        if graphs.capture:
+            graphs.capture_all()
+        return graphs
 
     def _build(self, state: dict[str, torch.Tensor], gguf_weights: dict | None
                ) -> LlamaForCausalLM:
@@ -92,6 +97,7 @@ class ModelRunner:
         except (KeyError, RuntimeError) as e:  # a missing matrix, or shapes that differ
             raise ValueError(f"the new weights do not fit this model: {e}") from e
         self.model = model
+        self.graphs = self._graphs()  # the old graphs replay the old weights
 
     def close(self) -> None:
         """Nothing to release in one process (engine/parallel.py's runner stops its ranks)."""
@@ -99,51 +105,22 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, items: list[ForwardItem]) -> torch.Tensor:
         """Logits for every requested row, item by item in order: [num_rows, vocab] float32."""
-        input_ids, positions, meta, logits_index = self._prepare(items)
+        flat = flatten(items, self.paged)
+        if self.graphs is not None and (logits := self.graphs.run(flat)) is not None:
+            return logits
+        input_ids, positions, meta, logits_index = self._prepare(items, flat)
         return self.model(input_ids, positions, self.cache, meta, logits_index)
 
-    def _prepare(self, items: list[ForwardItem]):
+    def _prepare(self, items: list[ForwardItem], flat: FlatStep):
         dev = self.device
-        flat_ids, flat_pos, flat_slots, logit_rows = [], [], [], []
-        offset = 0
-        for it in items:
-            flat_ids += it.token_ids
-            flat_pos += it.positions
-            flat_slots += it.slots
-            logit_rows += [offset + r for r in it.logits_rows]
-            offset += len(it.token_ids)
-        slot_mapping = torch.tensor(flat_slots, device=dev)
         groups = [] if self.paged else self._groups(items)
-        meta = AttentionMetadata(slot_mapping, groups,
-                                 self._paged(items, dev) if self.paged else None)
+        meta = AttentionMetadata(torch.tensor(flat.slots, dtype=torch.long, device=dev), groups,
+                                 paged_metadata(flat, dev) if self.paged else None)
         # dtype is explicit: a step of mid-prompt chunks only needs no logits, and an empty
         # tensor would default to float, which cannot index.
-        return (torch.tensor(flat_ids, device=dev), torch.tensor(flat_pos, device=dev), meta,
-                torch.tensor(logit_rows, dtype=torch.long, device=dev))
-
-    @staticmethod
-    def _paged(items: list[ForwardItem], device: torch.device) -> PagedMetadata:
-        """Each sequence's prefix slots and, for a tree, each token's visible query-token slots
-        in position order (its ancestors and itself, which precede it in the tree's best-first
-        order). A causal item's lists are implied (token i sees the item's slots 0..i)."""
-        seq_offsets, prefix_offsets, local_offsets = [0], [0], [0]
-        prefix: list[int] = []
-        local: list[int] = []
-        causal: list[int] = []
-        for it in items:
-            seq_offsets.append(seq_offsets[-1] + len(it.token_ids))
-            prefix += it.prefix_slots
-            prefix_offsets.append(len(prefix))
-            causal.append(int(it.local_mask is None))
-            for row in it.local_mask or [[]] * len(it.token_ids):
-                local += [s for s, seen in zip(it.slots, row) if seen]
-                local_offsets.append(len(local))
-        def t(values: list[int], dtype: torch.dtype | None = None) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        return PagedMetadata(t(seq_offsets), t(prefix, dtype=torch.long), t(prefix_offsets),
-                             t(local, dtype=torch.long), t(local_offsets), t(causal),
-                             max((len(it.token_ids) for it in items), default=1))
+        return (torch.tensor(flat.token_ids, dtype=torch.long, device=dev),
+                torch.tensor(flat.positions, dtype=torch.long, device=dev), meta,
+                torch.tensor(flat.logit_rows, dtype=torch.long, device=dev))
 
     def _groups(self, items: list[ForwardItem]) -> list[AttentionGroup]:
         """SDPA groups: sequences padded together by query-length class."""
@@ -218,6 +195,15 @@ class ModelRunner:
         if n not in self._causal:
             self._causal[n] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
         return self._causal[n]
+
+
+def paged_metadata(flat: FlatStep, device: torch.device) -> PagedMetadata:
+    """A flattened step's attention lists as tensors on `device`."""
+    def t(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return PagedMetadata(t(flat.seq_offsets), t(flat.prefix), t(flat.prefix_offsets),
+                         t(flat.local), t(flat.local_offsets), t(flat.causal), flat.max_query_len)
 
 
 def _attention_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:

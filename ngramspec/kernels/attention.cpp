@@ -463,6 +463,7 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   torch::Tensor out = torch::empty({Tq, H * D}, q.options().dtype(torch::kFloat32));
   const int64_t B = seq_offsets.size(0) - 1;
   const int64_t* so = seq_offsets.data_ptr<int64_t>();
+  TORCH_CHECK(so[0] == 0 && so[B] <= Tq, "paged_attention: sequences must cover query rows 0..");
   const int64_t* po = prefix_offsets.data_ptr<int64_t>();
   const int64_t* lo = local_offsets.data_ptr<int64_t>();
   const int64_t* pre = prefix.data_ptr<int64_t>();
@@ -508,6 +509,9 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
       }
     }
   }
+  // Tokens past the last sequence (a CUDA-graph step's padding, engine/cuda_graphs.py) belong to
+  // none: no chunks, and their rows come out as zeros.
+  for (int64_t t = so[B]; t < Tq; ++t) base[t + 1] = base[t];
   // queries as float32, each [D]
   torch::Tensor qf = q.to(torch::kFloat32).contiguous();
   const float* qp = qf.data_ptr<float>();
@@ -560,7 +564,7 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
         sum = std::fma(w, p[1], sum);
         for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(w, p[2 + d], acc[d]);
       }
-      const float inv = 1.0f / sum;
+      const float inv = chunks > 0 ? 1.0f / sum : 0.0f;
       for (int64_t d = 0; d < D; ++d) op[t * H * D + h * D + d] = acc[d] * inv;
     }
   });

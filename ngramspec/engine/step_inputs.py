@@ -1,0 +1,67 @@
+"""A step's forward inputs: each sequence's share (ForwardItem), and all of them flattened into the
+lists the model and the paged attention kernels read (FlatStep), on the host."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class ForwardItem:
+    """One sequence's share of a forward pass."""
+
+    token_ids: list[int]  # [n] query tokens
+    positions: list[int]  # [n]
+    prefix_slots: list[int]  # K/V slots already cached, attended by every query token
+    slots: list[int]  # [n] where the query tokens' K/V are written
+    local_mask: list[list[bool]] | None  # [n, n] mask among query tokens; None = causal
+    logits_rows: list[int]  # query rows whose logits are needed
+
+
+@dataclass(slots=True)
+class FlatStep:
+    """Every item of a step, concatenated in order (the fields of layers/attention.py's
+    PagedMetadata, as host lists)."""
+
+    token_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    slots: list[int]  # [T] cache slot written by each query token
+    logit_rows: list[int]  # [R] flat rows whose logits are returned, in order
+    seq_offsets: list[int]  # [B + 1]
+    prefix: list[int]  # [P] every sequence's cached slots
+    prefix_offsets: list[int]  # [B + 1]
+    local: list[int]  # [N] tree tokens' visible query-token slots
+    local_offsets: list[int]  # [T + 1] (empty ranges for causal items' tokens)
+    causal: list[int]  # [B] 1 = causal item
+    max_query_len: int  # the most query tokens of one item
+
+
+def flatten(items: list[ForwardItem], paged: bool = True) -> FlatStep:
+    """The step's lists. Each item's prefix slots and, for a tree, each token's visible query-token
+    slots in position order (its ancestors and itself, which precede it in the tree's best-first
+    order); a causal item's lists are implied (token i sees the item's slots 0..i). `paged=False`
+    (the SDPA backend, which reads the items) leaves the attention lists empty."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    rows: list[int] = []
+    seq_offsets, prefix_offsets, local_offsets = [0], [0], [0]
+    prefix: list[int] = []
+    local: list[int] = []
+    causal: list[int] = []
+    for it in items:
+        rows += [len(ids) + r for r in it.logits_rows]
+        ids += it.token_ids
+        positions += it.positions
+        slots += it.slots
+        if not paged:
+            continue
+        seq_offsets.append(len(ids))
+        prefix += it.prefix_slots
+        prefix_offsets.append(len(prefix))
+        causal.append(int(it.local_mask is None))
+        for row in it.local_mask or [[]] * len(it.token_ids):
+            local += [s for s, seen in zip(it.slots, row) if seen]
+            local_offsets.append(len(local))
+    return FlatStep(ids, positions, slots, rows, seq_offsets, prefix, prefix_offsets, local,
+                    local_offsets, causal, max((len(it.token_ids) for it in items), default=1))
