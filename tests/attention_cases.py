@@ -69,7 +69,8 @@ def check_against_sdpa(heads: int, kv_heads: int, head_dim: int, dtype: torch.dt
     expected = ReferenceAttention()(0, q, k, v, caches[0],
                                     AttentionMetadata(slot_mapping, runner._groups(items)))
     meta = AttentionMetadata(slot_mapping, [], paged_metadata(flatten(items), device))
-    got = TritonPagedAttention()(0, q, k, v, caches[1], meta)
-    assert torch.equal(caches[0].k, caches[1].k)  # both wrote the new K/V to the same slots
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    for splits in (None, 1, 4):  # the batch's own choice, one program per row, a split prefix
+        got = TritonPagedAttention(splits)(0, q, k, v, caches[1], meta)
+        assert torch.equal(caches[0].k, caches[1].k)  # both wrote the new K/V to the same slots
+        torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)

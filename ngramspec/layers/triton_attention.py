@@ -7,7 +7,10 @@ tokens) computes all of their rows (token x the group's query heads) together, s
 is loaded once for the whole tree or chunk block, with an online softmax over blocks of 32 keys:
 K/V read in place by slot, no padding, no gather copy, no [queries x keys] mask built per sequence.
 A tree row's visible query tokens are matched by slot against its own list (tree depth
-comparisons per key block). Everything is float32: products are TF32 tensor-core dots in bf16 mode
+comparisons per key block). When the batch has too few (sequence, KV head) pairs to fill the GPU
+(one request decoding: 3 programs on 132 multiprocessors), each sequence's cached prefix is split
+into shares read by programs of their own, and a second kernel merges their partial softmaxes
+(flash-decoding); the split count depends only on the batch's shape, so CUDA graphs capture it. Everything is float32: products are TF32 tensor-core dots in bf16 mode
 (bf16 values are exact in TF32; the softmax weights are rounded to TF32) and full-precision ones
 when the queries or the cache are float32.
 
@@ -56,14 +59,16 @@ def _attend(q, k_cache, v_cache, slots, visible, kv_head, stride_ks, stride_kh, 
 
 
 @triton.jit
-def _paged_attention(q_ptr, k_cache, v_cache, out_ptr, slot_mapping, seq_offsets, prefix,
-                     prefix_offsets, local, local_offsets, causal, stride_qt, stride_qh,
-                     stride_ks, stride_kh, stride_ot, scale, GROUP: tl.constexpr,
-                     GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE: tl.constexpr):
+def _paged_attention(q_ptr, k_cache, v_cache, out_ptr, part_ptr, stats_ptr, slot_mapping,
+                     seq_offsets, prefix, prefix_offsets, local, local_offsets, causal,
+                     stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, scale,
+                     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+                     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISE: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
-    first = tl.program_id(2) * BLOCK_Q  # this block's first query token in the sequence
+    split = tl.program_id(2) % SPLITS  # which share of the cached prefix this program reads
+    first = (tl.program_id(2) // SPLITS) * BLOCK_Q  # this block's first query token
     start_tok = tl.load(seq_offsets + b)
     num_q = tl.load(seq_offsets + b + 1) - start_tok
     if first < num_q:
@@ -84,8 +89,13 @@ def _paged_attention(q_ptr, k_cache, v_cache, out_ptr, slot_mapping, seq_offsets
         l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
         acc = tl.zeros([BLOCK_Q * GROUP_PAD, DIM_PAD], tl.float32)
         n = tl.arange(0, BLOCK_N)
-        lo = tl.load(prefix_offsets + b)
-        hi = tl.load(prefix_offsets + b + 1)
+        start = tl.load(prefix_offsets + b)
+        end = tl.load(prefix_offsets + b + 1)
+        # the prefix in SPLITS shares of whole key blocks; the last share also takes the query
+        # tokens, so one program per row of them when SPLITS == 1
+        share = tl.cdiv(tl.cdiv(end - start, SPLITS), BLOCK_N) * BLOCK_N
+        lo = start + split * share
+        hi = tl.minimum(lo + share, end)
         for at in range(lo, hi, BLOCK_N):  # the cached prefix: every row sees all of it
             key_valid = at + n < hi
             slots = tl.load(prefix + at + n, mask=key_valid, other=0)
@@ -99,6 +109,7 @@ def _paged_attention(q_ptr, k_cache, v_cache, out_ptr, slot_mapping, seq_offsets
         own_len = tl.load(local_offsets + tok + 1, mask=row_valid, other=0) - own_lo
         longest = tl.max(own_len, axis=0)
         last = tl.minimum(num_q, first + BLOCK_Q)  # no row of this block sees a later token
+        last = tl.where(split == SPLITS - 1, last, 0)
         for at in range(0, last, BLOCK_N):
             j = at + n
             key_valid = j < last
@@ -113,13 +124,67 @@ def _paged_attention(q_ptr, k_cache, v_cache, out_ptr, slot_mapping, seq_offsets
             visible = visible & row_valid[:, None] & key_valid[None, :]
             m_i, l_i, acc = _attend(q, k_cache, v_cache, slots, visible, kv_head, stride_ks,
                                     stride_kh, d, d_valid, m_i, l_i, acc, scale, PRECISE)
-        out = acc / l_i[:, None]
-        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * HEAD_DIM + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        if SPLITS == 1:
+            out = acc / l_i[:, None]
+            tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * HEAD_DIM + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        else:  # unnormalised partials, [T, H, SPLITS, D], and (max, sum) per row, [T, H, SPLITS, 2]
+            row = (tok * NUM_HEADS + head) * SPLITS + split
+            tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask)
+            tl.store(stats_ptr + row * 2, m_i, mask=row_valid)
+            tl.store(stats_ptr + row * 2 + 1, l_i, mask=row_valid)
+
+
+@triton.jit
+def _merge_splits(part_ptr, stats_ptr, out_ptr, stride_ot, NUM_HEADS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS: tl.constexpr):
+    """One (token, head) row: its SPLITS partial softmaxes rescaled to the largest maximum and
+    summed, in split order (the same order whatever the batch)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, DIM_PAD)
+    d_valid = d < HEAD_DIM
+    s = tl.arange(0, SPLITS)
+    row = (t * NUM_HEADS + h) * SPLITS + s  # [SPLITS]
+    m = tl.load(stats_ptr + row * 2)
+    l = tl.load(stats_ptr + row * 2 + 1)
+    top = tl.max(m, axis=0)
+    w = tl.exp(m - top)  # a split that saw no key: l = 0, weight irrelevant
+    acc = tl.load(part_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=d_valid[None, :],
+                  other=0.0)  # [SPLITS, D]
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + t * stride_ot + h * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty),
+             mask=d_valid)
+
+
+def prefix_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """Shares of each cached prefix read by programs of their own (flash-decoding): enough
+    programs to cover the GPU's multiprocessors twice when the batch alone does not, else 1.
+    A power of two from 1 to MAX_SPLITS; it depends on the batch's shape only, so a CUDA graph
+    captures it."""
+    want = -(-2 * num_sms // max(1, num_seqs * num_kv_heads))
+    return min(MAX_SPLITS, triton.next_power_of_2(want)) if want > 1 else 1
+
+
+MAX_SPLITS = 16
 
 
 class TritonPagedAttention:
-    """Drop-in for PagedAttention on CUDA: the same metadata, one kernel launch per layer."""
+    """Drop-in for PagedAttention on CUDA: the same metadata, one kernel launch per layer (two
+    when the prefix is split across programs: the partial softmaxes are then merged)."""
+
+    def __init__(self, splits: int | None = None) -> None:
+        """`splits`: prefix shares per sequence; None = `prefix_splits` for each batch."""
+        self.splits = splits
+        self._num_sms: int | None = None
+
+    def _splits(self, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+        if self.splits is not None:
+            return self.splits
+        if self._num_sms is None:
+            self._num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                             if device.type == "cuda" else 4)
+        return prefix_splits(num_seqs, num_kv_heads, self._num_sms)
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -137,13 +202,25 @@ class TritonPagedAttention:
         if num_tokens == 0:
             return out
         assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride() == k_cache.stride()
-        grid = (p.seq_offsets.shape[0] - 1, num_kv_heads, triton.cdiv(p.max_query_len,
-                                                                      BLOCK_QUERIES))
+        num_seqs = p.seq_offsets.shape[0] - 1
+        splits = self._splits(num_seqs, num_kv_heads, q.device)
+        dim_pad = max(16, triton.next_power_of_2(head_dim))
+        part = stats = out  # unused when splits == 1
+        if splits > 1:
+            part = q.new_empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32)
+            stats = q.new_empty(num_tokens, num_heads, splits, 2, dtype=torch.float32)
+        grid = (num_seqs, num_kv_heads, triton.cdiv(p.max_query_len, BLOCK_QUERIES) * splits)
         _paged_attention[grid](
-            q, k_cache, v_cache, out, meta.slot_mapping, p.seq_offsets, p.prefix,
+            q, k_cache, v_cache, out, part, stats, meta.slot_mapping, p.seq_offsets, p.prefix,
             p.prefix_offsets, p.local, p.local_offsets, p.causal, q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), out.stride(0), head_dim ** -0.5,
-            GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim,
-            DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=BLOCK_QUERIES,
-            BLOCK_N=BLOCK_KEYS, PRECISE=torch.float32 in (q.dtype, k_cache.dtype))
+            NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
+            HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_Q=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS,
+            SPLITS=splits, PRECISE=torch.float32 in (q.dtype, k_cache.dtype))
+        if splits > 1:
+            # rows of tokens that belong to no sequence (a graph's padding) merge garbage,
+            # which nothing reads
+            _merge_splits[(num_tokens, num_heads)](
+                part, stats, out, out.stride(0), NUM_HEADS=num_heads,
+                HEAD_DIM=head_dim, DIM_PAD=dim_pad, SPLITS=splits)
         return out
