@@ -29,7 +29,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=4096)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    g.add_argument("--kv-cache-gb", type=float, default=1.0, help="K/V memory budget in GiB")
+    g.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="K/V memory budget in GiB (default: 1 on the CPU; on CUDA room for "
+                        "--max-num-seqs full-length sequences, at most 30%% of the GPU)")
     g.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
                    help="prefill every prompt in full (default: reuse cached prefixes' K/V)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
@@ -71,7 +73,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
                 attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
-                kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), num_threads=args.threads,
+                kv_cache_bytes=None if args.kv_cache_gb is None else int(args.kv_cache_gb * (1 << 30)), num_threads=args.threads,
                 tensor_parallel_size=args.tensor_parallel_size,
                 enable_prefix_caching=args.enable_prefix_caching,
                 speculative=spec, drafter=drafter_config_from_args(args),

@@ -36,7 +36,10 @@ class EngineConfig:
     max_model_len: int = 4096
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
-    kv_cache_bytes: int = 1 << 30  # memory budget for K/V; sets the number of slots
+    # Memory budget for K/V; sets the number of slots. None: 1 GiB on the CPU; on CUDA, room for
+    # max_num_seqs sequences of max_model_len tokens (no request ever waits for slots), at most
+    # 30% of the GPU's memory.
+    kv_cache_bytes: int | None = None
     num_threads: int | None = None  # CPU threads for torch; None leaves torch's default
     # Processes the model is split over (engine/parallel.py): NCCL on CUDA, gloo on the CPU.
     # Dense weights only (quantization "auto" then resolves to "none").
@@ -57,6 +60,8 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes",
                      "tensor_parallel_size"):
             value = getattr(self, name)
+            if name == "kv_cache_bytes" and value is None:
+                continue
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"EngineConfig.{name}={value!r} must be a positive integer")
         if self.dtype not in _DTYPES and self.dtype != "auto":

@@ -127,3 +127,23 @@ def test_engine_outputs_unchanged_on_static_inputs(tiny_model_dirs, speculative)
     assert padded_steps >= 20
     if speculative:
         assert llm.engine.stats.num_accepted_tokens > 0
+
+
+def test_divergence_gaps_are_the_plain_models_top2_gap(llm):
+    """bench speed's report at a flip: the gap between plain's top two logits where the outputs
+    part, computed without disturbing the engine's slots."""
+    from ngramspec.bench.speed_bench import divergence_gaps
+
+    prompt = [5, 9, 13, 17, 21, 25]
+    plain = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6,
+                                                  ignore_eos=True))[0].token_ids
+    other = plain[:3] + [plain[3] + 1] + plain[4:]
+    free = llm.engine.allocator.num_free
+    gaps = divergence_gaps(llm, [prompt, prompt], [plain, plain], [plain, other])
+    assert llm.engine.allocator.num_free == free
+    n = len(prompt) + 3
+    item = ForwardItem(prompt + plain[:3], list(range(n)), [], list(range(1, n + 1)), None,
+                       [n - 1])
+    top = llm.engine.runner.run([item])[0].topk(2).values
+    assert len(gaps) == 1 and gaps[0] == pytest.approx(float(top[0] - top[1]), abs=1e-3)
+    assert gaps[0] > 0

@@ -80,6 +80,45 @@ def test_greedy_spec_equals_plain_with_threaded_drafting(llm, monkeypatch):
         check_divergence(llm, name, prompt, a.token_ids, b.token_ids)
 
 
+def test_learning_during_the_forward_changes_nothing(tiny_model_dirs, monkeypatch):
+    """Speculator.overlap (the queued learning run while an asynchronous forward computes) gives
+    the same trees, hence the same tokens and counters, as learning in the next propose."""
+    from ngramspec.engine.model_runner import ModelRunner
+
+    rng = random.Random(5)
+    prompts = []
+    for _ in range(6):
+        base = [rng.randrange(3, 500) for _ in range(30)]
+        prompts.append(base + base[:15] + base)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    options = dict(model=str(tiny_model_dirs["llama"]), dtype="float32", speculative="ngram",
+                   verify_cost=FLAT_COST)
+
+    def run(llm: LLM) -> tuple[list[list[int]], tuple[int, int]]:
+        first = llm.generate(prompts[:3], params)  # the rest start while others decode
+        rest = llm.generate(prompts[3:], params)
+        stats = llm.engine.stats
+        return ([o.token_ids for o in first + rest],
+                (stats.num_draft_tokens, stats.num_accepted_tokens))
+
+    expected = run(LLM(**options))
+    assert expected[1][1] > 0
+    monkeypatch.setattr(ModelRunner, "asynchronous", property(lambda self: True))
+    llm = LLM(**options)
+    drafter = llm.engine.speculator.drafter
+    flushed = []
+    flush = drafter.flush
+
+    def counting() -> None:
+        flushed.append(len(drafter._ops))
+        flush()
+
+    monkeypatch.setattr(drafter, "flush", counting)
+    assert run(llm) == expected
+    assert sum(n > 0 for n in flushed) >= 2  # each wave's prompts were learned in a forward
+    assert llm.engine.stats.overlapped_draft_time > 0
+
+
 def _amx() -> bool:
     from ngramspec.kernels import cpu_kernels, kernels_available
 

@@ -109,6 +109,9 @@ def run_all(args: argparse.Namespace, prompts: list[BenchPrompt]) -> tuple[dict[
     if not args.skip_verify_cost:
         extra["verify_cost"] = _verify_cost(llms["plain"])
     runs.update(run_lockstep(llms, ids, max_tokens, args.concurrency, grammars))
+    extra["divergence_gaps"] = {name: divergence_gaps(llms["plain"], ids, runs["plain"].token_ids,
+                                                      runs[name].token_ids)
+                                for name in runs if name != "plain"}
     del llms
     gc.collect()
     if args.skip_hf:
@@ -120,6 +123,27 @@ def run_all(args: argparse.Namespace, prompts: list[BenchPrompt]) -> tuple[dict[
     else:
         runs.update(run_hf(args.model, ids, max_tokens, extra, args.hf_plain))
     return runs, extra
+
+
+def divergence_gaps(plain_llm, ids: list[list[int]], plain: list[list[int]],
+                    other: list[list[int]]) -> list[float]:
+    """For each request whose output differs from plain decoding: the plain model's logit gap
+    between its top two tokens where they part. Exact modes never differ; in bf16 a tree verify
+    and a single decode round differently, so only near-ties (gaps of a bf16 rounding) may flip."""
+    from ngramspec.engine.step_inputs import ForwardItem
+
+    engine, gaps = plain_llm.engine, []
+    for prompt, a, b in zip(ids, plain, other):
+        if a == b:
+            continue
+        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        tokens = prompt + a[:at]
+        n = len(tokens)
+        with engine.scheduler.scratch_slots(n) as slots:
+            item = ForwardItem(tokens, list(range(n)), [], slots, None, [n - 1])
+            top = engine.runner.run([item])[0].float().topk(2).values
+        gaps.append(round(float(top[0] - top[1]), 4))
+    return gaps
 
 
 def _make_llm(kwargs: dict[str, Any]):
@@ -288,6 +312,10 @@ def build_report(args: argparse.Namespace, prompts: list[BenchPrompt],
         notes.append("grammar mask cost per tree node (compute + apply): " + ", ".join(
             f"{n} {us:.1f} us" for n, us in masks.items()))
     mismatches = {n: overall[f"{n}_mismatches"] for n in runs if n != "plain"}
+    for name, gaps in extra.get("divergence_gaps", {}).items():
+        if gaps:
+            notes.append(f"{name} != plain at {len(gaps)} requests; plain's top-2 logit gap where "
+                         f"they part: largest {max(gaps):.3f}, median {sorted(gaps)[len(gaps) // 2]:.3f}")
     return {"workload": args.workload, "concurrency": args.concurrency, "limit": args.limit,
             "max_tokens": args.max_tokens, "categories": categories, "overall": overall,
             "verify_cost": extra.pop("verify_cost", None), "mismatches": mismatches,

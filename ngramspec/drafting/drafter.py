@@ -242,6 +242,12 @@ class NgramDrafter:
         if failed:
             raise RuntimeError("trie columns were not grown before extend (bug)")
 
+    def flush(self) -> None:
+        """Learn what start and commit queued now instead of in the next propose: the engine calls
+        this while the accelerator runs a step, so the learning costs the step nothing. The
+        trees are the same either way (the queue runs in the same order)."""
+        self._flush()
+
     def _flush(self) -> None:
         """Run the queued operations now (a reader of the trie or calibration is coming)."""
         if not self._ops:

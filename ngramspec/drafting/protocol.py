@@ -24,3 +24,6 @@ class Drafter(Protocol):
 
     def reset(self) -> None:
         """Forget everything learned online (external corpora are kept)."""
+
+    # Optional: flush() -> None, learning queued by start/commit done now rather than in the next
+    # propose (Speculator.overlap calls it while the accelerator runs a step, where present).

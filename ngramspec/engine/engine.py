@@ -70,7 +70,8 @@ class LLMEngine:
         dtype, device = config.torch_dtype, config.torch_device
         per_slot = KVCache.bytes_per_slot(self.model_cfg.num_layers, self.model_cfg.num_kv_heads,
                                           self.model_cfg.head_dim, config.torch_kv_dtype)
-        num_slots = max(2, config.kv_cache_bytes // per_slot)
+        num_slots = max(2, _kv_cache_bytes(config, device, per_slot, self.max_model_len)
+                        // per_slot)
         if config.tensor_parallel_size > 1:
             self.runner = TensorParallelRunner(config, num_slots, self.max_model_len)
         else:
@@ -271,10 +272,13 @@ class LLMEngine:
             t1 = time.perf_counter()
             items = [self._forward_item(c, trees.get(c.seq.seq_id)) for c in schedule.chunks]
             logits = self.runner.run(items)  # [rows, vocab]
+            t2 = time.perf_counter()
+            if self.speculator is not None and self.runner.asynchronous:
+                self.speculator.overlap()  # the accelerator is still computing `logits`
+                self.stats.overlapped_draft_time += time.perf_counter() - t2
         except Exception:
             self._fail(schedule)
             raise
-        t2 = time.perf_counter()
         outputs = self._postprocess(schedule, trees, logits, masks)
         if self.speculator is not None:
             self.speculator.after_step(schedule, time.perf_counter() - t0)
@@ -460,6 +464,19 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.stop(seq)
         self._seqs.pop(seq.request_id, None)
+
+
+def _kv_cache_bytes(config: EngineConfig, device: torch.device, per_slot: int,
+                    max_model_len: int) -> int:
+    """EngineConfig.kv_cache_bytes, with None resolved for this device."""
+    if config.kv_cache_bytes is not None:
+        return config.kv_cache_bytes
+    if device.type != "cuda":
+        return 1 << 30
+    # the budget covers all ranks (each holds its share of the K/V heads)
+    wanted = (config.max_num_seqs * max_model_len + 1) * per_slot
+    memory = torch.cuda.get_device_properties(device).total_memory * config.tensor_parallel_size
+    return max(1 << 30, min(wanted, int(0.3 * memory)))
 
 
 def _verified_tree(chunk: ScheduledChunk, trees: dict[int, DraftTree]) -> DraftTree:

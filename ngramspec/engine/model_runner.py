@@ -57,6 +57,11 @@ class ModelRunner:
         self.graph_limits = graphs if self.paged else None
         self.graphs = self._graphs()
 
+    @property
+    def asynchronous(self) -> bool:
+        """Whether `run` returns before the device has finished (CUDA launches are queued)."""
+        return self.device.type == "cuda"
+
     def _graphs(self) -> StepGraphs | None:
         if self.graph_limits is None:
             return None

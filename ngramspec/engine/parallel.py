@@ -194,6 +194,8 @@ class TensorParallelRunner:
         self.local = _build_runner(config, 0, world, num_slots, max_model_len)
         dist.barrier()  # every rank built its slice
         self.device = self.local.device
+        # rank 0's run waits for the other ranks' broadcasts: drafting cannot hide behind it
+        self.asynchronous = False
         self._closed = False
         self._broken: str | None = None
         self._lock = threading.Lock()

@@ -47,6 +47,13 @@ class Speculator:
         self.per_request.forget(seq.seq_id)
         self._expected.pop(seq.seq_id, None)
 
+    def overlap(self) -> None:
+        """Drafting work that needs nothing from the step in flight (the learning queued by new
+        requests' prompts, the heaviest part), done while the accelerator runs that step."""
+        flush = getattr(self.drafter, "flush", None)  # optional in the Drafter protocol
+        if flush is not None:
+            flush()
+
     def propose(self, schedule: Schedule) -> dict[int, DraftTree]:
         """seq_id -> the tree to verify, for the decodes that speculate this step."""
         self._predicted = None

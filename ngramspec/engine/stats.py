@@ -16,6 +16,8 @@ class EngineStats(SpecCounters):
     draft_time: float = 0.0  # schedule + propose + reserve
     forward_time: float = 0.0
     step_time: float = 0.0
+    # drafting done while the accelerator ran a step (Speculator.overlap): in step_time only
+    overlapped_draft_time: float = 0.0
     grammar_mask_time: float = 0.0  # computing and applying grammar masks (structured outputs)
     grammar_mask_rows: int = 0  # rows masked: one per tree node (root included)
 
