@@ -58,17 +58,19 @@ def _attend(q, k_cache, v_cache, slots, visible, kv_head, stride_ks, stride_kh, 
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _paged_attention(q_ptr, k_cache, v_cache, out_ptr, part_ptr, stats_ptr, slot_mapping,
                      seq_offsets, prefix, prefix_offsets, local, local_offsets, causal,
-                     stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, scale,
+                     stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, scale, splits,
                      NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                      HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-                     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISE: tl.constexpr):
+                     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISE: tl.constexpr):
+    # `splits` is a run-time value (one compiled kernel for every split count); SPLIT says
+    # whether it is above 1, i.e. whether rows leave as partials for _merge_splits
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2) % SPLITS  # which share of the cached prefix this program reads
-    first = (tl.program_id(2) // SPLITS) * BLOCK_Q  # this block's first query token
+    split = tl.program_id(2) % splits  # which share of the cached prefix this program reads
+    first = (tl.program_id(2) // splits) * BLOCK_Q  # this block's first query token
     start_tok = tl.load(seq_offsets + b)
     num_q = tl.load(seq_offsets + b + 1) - start_tok
     if first < num_q:
@@ -91,9 +93,9 @@ def _paged_attention(q_ptr, k_cache, v_cache, out_ptr, part_ptr, stats_ptr, slot
         n = tl.arange(0, BLOCK_N)
         start = tl.load(prefix_offsets + b)
         end = tl.load(prefix_offsets + b + 1)
-        # the prefix in SPLITS shares of whole key blocks; the last share also takes the query
-        # tokens, so one program per row of them when SPLITS == 1
-        share = tl.cdiv(tl.cdiv(end - start, SPLITS), BLOCK_N) * BLOCK_N
+        # the prefix in `splits` shares of whole key blocks; the last share also takes the query
+        # tokens
+        share = tl.cdiv(tl.cdiv(end - start, splits), BLOCK_N) * BLOCK_N
         lo = start + split * share
         hi = tl.minimum(lo + share, end)
         for at in range(lo, hi, BLOCK_N):  # the cached prefix: every row sees all of it
@@ -109,7 +111,7 @@ def _paged_attention(q_ptr, k_cache, v_cache, out_ptr, part_ptr, stats_ptr, slot
         own_len = tl.load(local_offsets + tok + 1, mask=row_valid, other=0) - own_lo
         longest = tl.max(own_len, axis=0)
         last = tl.minimum(num_q, first + BLOCK_Q)  # no row of this block sees a later token
-        last = tl.where(split == SPLITS - 1, last, 0)
+        last = tl.where(split == splits - 1, last, 0)
         for at in range(0, last, BLOCK_N):
             j = at + n
             key_valid = j < last
@@ -124,34 +126,35 @@ def _paged_attention(q_ptr, k_cache, v_cache, out_ptr, part_ptr, stats_ptr, slot
             visible = visible & row_valid[:, None] & key_valid[None, :]
             m_i, l_i, acc = _attend(q, k_cache, v_cache, slots, visible, kv_head, stride_ks,
                                     stride_kh, d, d_valid, m_i, l_i, acc, scale, PRECISE)
-        if SPLITS == 1:
-            out = acc / l_i[:, None]
-            tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * HEAD_DIM + d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=q_mask)
-        else:  # unnormalised partials, [T, H, SPLITS, D], and (max, sum) per row, [T, H, SPLITS, 2]
-            row = (tok * NUM_HEADS + head) * SPLITS + split
+        if SPLIT:  # unnormalised partials, [T, H, splits, D], and (max, sum), [T, H, splits, 2]
+            row = (tok * NUM_HEADS + head) * splits + split
             tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask)
             tl.store(stats_ptr + row * 2, m_i, mask=row_valid)
             tl.store(stats_ptr + row * 2 + 1, l_i, mask=row_valid)
+        else:
+            out = acc / l_i[:, None]
+            tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * HEAD_DIM + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-@triton.jit
-def _merge_splits(part_ptr, stats_ptr, out_ptr, stride_ot, NUM_HEADS: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS: tl.constexpr):
-    """One (token, head) row: its SPLITS partial softmaxes rescaled to the largest maximum and
-    summed, in split order (the same order whatever the batch)."""
+@triton.jit(do_not_specialize=["splits"])
+def _merge_splits(part_ptr, stats_ptr, out_ptr, stride_ot, splits, NUM_HEADS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, MAX_S: tl.constexpr):
+    """One (token, head) row: its `splits` partial softmaxes rescaled to the largest maximum and
+    summed, in split order."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, DIM_PAD)
     d_valid = d < HEAD_DIM
-    s = tl.arange(0, SPLITS)
-    row = (t * NUM_HEADS + h) * SPLITS + s  # [SPLITS]
-    m = tl.load(stats_ptr + row * 2)
-    l = tl.load(stats_ptr + row * 2 + 1)
+    s = tl.arange(0, MAX_S)
+    s_valid = s < splits
+    row = (t * NUM_HEADS + h) * splits + s  # [MAX_S]
+    m = tl.load(stats_ptr + row * 2, mask=s_valid, other=-1e30)
+    l = tl.load(stats_ptr + row * 2 + 1, mask=s_valid, other=0.0)
     top = tl.max(m, axis=0)
-    w = tl.exp(m - top)  # a split that saw no key: l = 0, weight irrelevant
-    acc = tl.load(part_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=d_valid[None, :],
-                  other=0.0)  # [SPLITS, D]
+    w = tl.exp(m - top)  # a split that saw no key has l = 0 and contributes nothing
+    acc = tl.load(part_ptr + row[:, None] * HEAD_DIM + d[None, :],
+                  mask=s_valid[:, None] & d_valid[None, :], other=0.0)  # [MAX_S, D]
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
     tl.store(out_ptr + t * stride_ot + h * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty),
              mask=d_valid)
@@ -161,7 +164,7 @@ def prefix_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     """Shares of each cached prefix read by programs of their own (flash-decoding): enough
     programs to cover the GPU's multiprocessors twice when the batch alone does not, else 1.
     A power of two from 1 to MAX_SPLITS; it depends on the batch's shape only, so a CUDA graph
-    captures it."""
+    captures it, and it is a run-time kernel argument, so no split count compiles a kernel."""
     want = -(-2 * num_sms // max(1, num_seqs * num_kv_heads))
     return min(MAX_SPLITS, triton.next_power_of_2(want)) if want > 1 else 1
 
@@ -178,9 +181,12 @@ class TritonPagedAttention:
         self.splits = splits
         self._num_sms: int | None = None
 
-    def _splits(self, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    def _splits(self, num_seqs: int, num_kv_heads: int, max_query_len: int,
+                device: torch.device) -> int:
         if self.splits is not None:
             return self.splits
+        if max_query_len > BLOCK_QUERIES:  # prefill chunks: their query blocks fill the GPU
+            return 1
         if self._num_sms is None:
             self._num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                              if device.type == "cuda" else 4)
@@ -203,7 +209,7 @@ class TritonPagedAttention:
             return out
         assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride() == k_cache.stride()
         num_seqs = p.seq_offsets.shape[0] - 1
-        splits = self._splits(num_seqs, num_kv_heads, q.device)
+        splits = self._splits(num_seqs, num_kv_heads, p.max_query_len, q.device)
         dim_pad = max(16, triton.next_power_of_2(head_dim))
         part = stats = out  # unused when splits == 1
         if splits > 1:
@@ -213,14 +219,14 @@ class TritonPagedAttention:
         _paged_attention[grid](
             q, k_cache, v_cache, out, part, stats, meta.slot_mapping, p.seq_offsets, p.prefix,
             p.prefix_offsets, p.local, p.local_offsets, p.causal, q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), out.stride(0), head_dim ** -0.5,
+            k_cache.stride(0), k_cache.stride(1), out.stride(0), head_dim ** -0.5, splits,
             NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
             HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_Q=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS,
-            SPLITS=splits, PRECISE=torch.float32 in (q.dtype, k_cache.dtype))
+            SPLIT=splits > 1, PRECISE=torch.float32 in (q.dtype, k_cache.dtype))
         if splits > 1:
             # rows of tokens that belong to no sequence (a graph's padding) merge garbage,
             # which nothing reads
             _merge_splits[(num_tokens, num_heads)](
-                part, stats, out, out.stride(0), NUM_HEADS=num_heads,
-                HEAD_DIM=head_dim, DIM_PAD=dim_pad, SPLITS=splits)
+                part, stats, out, out.stride(0), splits, NUM_HEADS=num_heads,
+                HEAD_DIM=head_dim, DIM_PAD=dim_pad, MAX_S=MAX_SPLITS)
         return out
