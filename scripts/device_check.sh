@@ -40,7 +40,7 @@ NG="$PY -m ngramspec"
 QUESTIONS="${QUESTIONS:-$PWD/.model/b/question.jsonl}"  # staged: ../shared does not travel
 [ -f "$QUESTIONS" ] || QUESTIONS=/work/shared/data/spec_bench/question.jsonl
 
-ATTN=auto; EAGER=""; THREADS=""
+ATTN=auto; EAGER=""
 smoke() {  # a broken Triton kernel or graph capture must not cost the benchmarks
   timeout 150 $PY -m ngramspec generate --device cuda "$@" --speculative ngram --max-tokens 32 \
     "Repeat: one two three, one two three, one two" >> "$OUT/log.txt" 2>&1
@@ -54,14 +54,6 @@ if [ "$DEVICE" = cuda ]; then
     else
       ATTN=sdpa; log "triton attention FAILED: benchmarks use --attention-backend sdpa (eager)"
     fi
-  fi
-  log "smoke check: 4 draft threads (compiles and caches the threaded drafter kernel)"
-  if timeout 120 $PY -m ngramspec generate --device cuda --attention-backend "$ATTN" $EAGER \
-      --speculative ngram --draft-threads 4 --max-tokens 16 "Count: 1 2 3 1 2 3 1 2" \
-      >> "$OUT/log.txt" 2>&1; then
-    THREADS="--draft-threads 4"
-  else
-    log "4 draft threads FAILED: the batch-64 benchmarks draft on one thread"
   fi
   log "plain decode, CUDA graphs vs eager (bundled model, bf16, 1 request, 128 tokens)"
   timeout 90 $PY - "$ATTN" > /tmp/graphs_ab.json 2>> "$OUT/log.txt" <<'PY'
@@ -99,15 +91,14 @@ timeout 80 $NG bench engine --device "$DEVICE" --attention-backend "$ATTN" $EAGE
 for wl in code_edit spec_bench; do
   for c in 1 "$CONC_HI"; do
     log "bench speed $wl c=$c"
-    threads=""; [ "$c" = 1 ] || threads="$THREADS"  # drafting threads pay with many requests
-    timeout 50 $NG bench speed --device "$DEVICE" --attention-backend "$ATTN" $EAGER $threads \
+    timeout 50 $NG bench speed --device "$DEVICE" --attention-backend "$ATTN" $EAGER \
       --workload "$wl" --concurrency "$c" \
       --limit "$(limit "$wl" "$c")" --max-tokens "$TOKENS" --spec-bench-path "$QUESTIONS" --skip-hf \
       --skip-verify-cost --json > "$OUT/speed_${wl}_c${c}.json" 2>> "$OUT/log.txt"
   done
 done
 log "summary"
-$PY - "$OUT" "$ATTN" "$EAGER" "$THREADS" <<'PY' > "$OUT/summary.json"
+$PY - "$OUT" "$ATTN" "$EAGER" <<'PY' > "$OUT/summary.json"
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
 def load(name):
@@ -147,7 +138,6 @@ for name in (f"speed_code_edit_c{hi}", f"speed_spec_bench_c{hi}"):
         s["checks"][name.removeprefix("speed_") + "_draft_share"] = {
             "critical": round(st["draft_time"] / st["step_time"], 4),
             "overlapped": round(st.get("overlapped_draft_time", 0.0) / st["step_time"], 4)}
-s["checks"]["draft_threads"] = sys.argv[4]
 try:
     s["checks"]["graphs_vs_eager_b1"] = json.loads(pathlib.Path("/tmp/graphs_ab.json").read_text())
 except Exception as e:
