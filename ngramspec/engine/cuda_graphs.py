@@ -93,7 +93,7 @@ class StepGraphs:
         lim = self.limits
         num_tokens, num_seqs = len(flat.token_ids), len(flat.seq_offsets) - 1
         if (num_tokens == 0 or num_tokens > lim.max_tokens or flat.max_query_len > lim.max_query
-                or len(flat.prefix) > lim.max_prefix or len(flat.local) > lim.max_local):
+                or flat.num_prefix > lim.max_prefix or len(flat.local) > lim.max_local):
             return None
         t_b = self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
         if num_seqs > min(t_b, lim.max_seqs):
@@ -119,14 +119,14 @@ class StepGraphs:
         if self.copied is not None:
             self.copied.synchronize()  # the host buffer is still being read by the last copy
         self._fill(flat, key[0])
-        self._upload(len(flat.local), len(flat.prefix))
+        self._upload(len(flat.local), flat.num_prefix)
         num_rows = len(flat.logit_rows)
         if not self.capture:
             return self._forward(*key)[:num_rows]
         if key not in self.graphs:
             self.graphs[key] = self._capture(*key)
             self._fill(flat, key[0])  # the capture ran on idle inputs
-            self._upload(len(flat.local), len(flat.prefix))
+            self._upload(len(flat.local), flat.num_prefix)
         self.graphs[key].replay()
         assert self.logits is not None
         # a copy: the static rows are overwritten by the next replay
@@ -139,10 +139,11 @@ class StepGraphs:
         pad = {"ids": (flat.token_ids, 0, t_b), "positions": (flat.positions, 0, t_b),
                "slots": (flat.slots, self.pad_slot, t_b), "rows": (flat.logit_rows, 0, t_b),
                "seq_offsets": (flat.seq_offsets, flat.seq_offsets[-1], b_b + 1),
-               "prefix_offsets": (flat.prefix_offsets, len(flat.prefix), b_b + 1),
+               "prefix_offsets": (flat.prefix_offsets, flat.num_prefix, b_b + 1),
                "causal": (flat.causal, 1, b_b),
                "local_offsets": (flat.local_offsets, len(flat.local), t_b + 1),
-               "local": (flat.local, 0, len(flat.local)), "prefix": (flat.prefix, 0, len(flat.prefix))}
+               "local": (flat.local, 0, len(flat.local)),
+               "prefix": (flat.prefix(), 0, flat.num_prefix)}
         for name, (values, fill, length) in pad.items():
             at = self.layout[name][0]
             n = len(values)

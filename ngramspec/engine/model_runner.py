@@ -207,7 +207,8 @@ def paged_metadata(flat: FlatStep, device: torch.device) -> PagedMetadata:
     def t(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    return PagedMetadata(t(flat.seq_offsets), t(flat.prefix), t(flat.prefix_offsets),
+    prefix = torch.from_numpy(flat.prefix()).to(device)
+    return PagedMetadata(t(flat.seq_offsets), prefix, t(flat.prefix_offsets),
                          t(flat.local), t(flat.local_offsets), t(flat.causal), flat.max_query_len)
 
 

@@ -3,7 +3,10 @@ lists the model and the paged attention kernels read (FlatStep), on the host."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(slots=True)
@@ -28,12 +31,23 @@ class FlatStep:
     slots: list[int]  # [T] cache slot written by each query token
     logit_rows: list[int]  # [R] flat rows whose logits are returned, in order
     seq_offsets: list[int]  # [B + 1]
-    prefix: list[int]  # [P] every sequence's cached slots
+    prefixes: list[list[int]]  # each item's cached slots (the items' own lists, not copies)
     prefix_offsets: list[int]  # [B + 1]
     local: list[int]  # [N] tree tokens' visible query-token slots
     local_offsets: list[int]  # [T + 1] (empty ranges for causal items' tokens)
     causal: list[int]  # [B] 1 = causal item
     max_query_len: int  # the most query tokens of one item
+
+    @property
+    def num_prefix(self) -> int:
+        return self.prefix_offsets[-1]
+
+    def prefix(self) -> np.ndarray:
+        """[P] int64: every item's cached slots, concatenated. Built here rather than as a list:
+        at 64 requests of 1000 tokens this is 64k slots a step, and numpy reads them from the
+        lists about 3x faster than torch.tensor does from one long list."""
+        return np.fromiter(itertools.chain.from_iterable(self.prefixes), np.int64,
+                           count=self.num_prefix)
 
 
 def flatten(items: list[ForwardItem], paged: bool = True) -> FlatStep:
@@ -46,7 +60,7 @@ def flatten(items: list[ForwardItem], paged: bool = True) -> FlatStep:
     slots: list[int] = []
     rows: list[int] = []
     seq_offsets, prefix_offsets, local_offsets = [0], [0], [0]
-    prefix: list[int] = []
+    prefixes: list[list[int]] = []
     local: list[int] = []
     causal: list[int] = []
     for it in items:
@@ -57,11 +71,11 @@ def flatten(items: list[ForwardItem], paged: bool = True) -> FlatStep:
         if not paged:
             continue
         seq_offsets.append(len(ids))
-        prefix += it.prefix_slots
-        prefix_offsets.append(len(prefix))
+        prefixes.append(it.prefix_slots)
+        prefix_offsets.append(prefix_offsets[-1] + len(it.prefix_slots))
         causal.append(int(it.local_mask is None))
         for row in it.local_mask or [[]] * len(it.token_ids):
             local += [s for s, seen in zip(it.slots, row) if seen]
             local_offsets.append(len(local))
-    return FlatStep(ids, positions, slots, rows, seq_offsets, prefix, prefix_offsets, local,
+    return FlatStep(ids, positions, slots, rows, seq_offsets, prefixes, prefix_offsets, local,
                     local_offsets, causal, max((len(it.token_ids) for it in items), default=1))
