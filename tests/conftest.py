@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import warnings
 from collections.abc import Callable
@@ -317,6 +318,17 @@ def assert_same_tokens(ours: list[int], ref: GreedyRef, what: str) -> None:
 
 STREAMS = Path(__file__).resolve().parent.parent / "data" / "streams"
 MAX_GAP = 1e-4  # a greedy divergence between spec and plain is acceptable only at a tie this close
+
+
+def repetitive_prompts(n: int, vocab: int, length: int = 24, seed: int = 0) -> list[list[int]]:
+    """Random token prompts that repeat themselves: copies give the drafter something to propose
+    (for the tiny random models)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        base = [rng.randrange(3, vocab) for _ in range(length)]
+        out.append(base + base[: length // 2] + base)
+    return out
 
 
 def spec_prompts() -> list[tuple[str, list[int], int]]:

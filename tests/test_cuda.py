@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from pathlib import Path
 
 import pytest
 import torch
 from attention_cases import CASES, check_against_sdpa
+from conftest import repetitive_prompts
 
 from ngramspec import LLM, SamplingParams
 from ngramspec.engine.model_runner import ForwardItem
@@ -25,15 +25,6 @@ FLAT_COST = [1.0] * 14  # verify whole trees: drafts on every step
 STREAMS = Path(__file__).resolve().parents[1] / "data" / "streams" / "code_edit.jsonl"
 
 
-def _repetitive_prompts(n: int, vocab: int) -> list[list[int]]:
-    rng = random.Random(0)
-    out = []
-    for _ in range(n):
-        base = [rng.randrange(3, vocab) for _ in range(24)]
-        out.append(base + base[:12] + base)  # copies give the drafter something to propose
-    return out
-
-
 @pytest.mark.parametrize("heads,kv_heads,head_dim,dtype", CASES)
 def test_triton_attention_matches_sdpa_on_cuda(heads, kv_heads, head_dim, dtype):
     pytest.importorskip("triton")
@@ -44,7 +35,7 @@ def test_triton_attention_matches_sdpa_on_cuda(heads, kv_heads, head_dim, dtype)
 def test_cuda_fp32_logits_match_hf(tiny_model_dirs, tiny_hf_models, arch):
     llm = LLM(model=str(tiny_model_dirs[arch]), device="cuda", dtype="float32")
     hf = tiny_hf_models[arch].to("cuda")
-    ids = _repetitive_prompts(1, 500)[0]
+    ids = repetitive_prompts(1, 500)[0]
     n = len(ids)
     item = ForwardItem(ids, list(range(n)), [], list(range(1, n + 1)), None, list(range(n)))
     ours = llm.engine.runner.run([item])  # [n, vocab]
@@ -58,7 +49,7 @@ def test_cuda_fp32_logits_match_hf(tiny_model_dirs, tiny_hf_models, arch):
 def test_cuda_fp32_greedy_spec_equals_plain(tiny_model_dirs, arch):
     options = dict(model=str(tiny_model_dirs[arch]), device="cuda", dtype="float32")
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    prompts = _repetitive_prompts(6, 500)
+    prompts = repetitive_prompts(6, 500)
     plain = LLM(**options).generate(prompts, params)
     spec_llm = LLM(speculative="ngram", verify_cost=FLAT_COST, **options)
     spec = spec_llm.generate(prompts, params)
@@ -73,7 +64,7 @@ def test_cuda_graphs_give_the_eager_tokens(tiny_model_dirs, speculative):
     options = dict(model=str(tiny_model_dirs["llama"]), device="cuda", dtype="float32",
                    speculative=speculative, verify_cost=FLAT_COST)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    prompts = _repetitive_prompts(6, 500)
+    prompts = repetitive_prompts(6, 500)
     eager = LLM(enforce_eager=True, **options)
     assert eager.engine.runner.graphs is None
     expected = [o.token_ids for o in eager.generate(prompts, params)]
@@ -133,7 +124,7 @@ def test_two_nccl_ranks_decode_as_one_gpu(tiny_model_dirs):
     options = dict(model=str(tiny_model_dirs["llama"]), device="cuda", dtype="float32",
                    speculative="ngram", verify_cost=FLAT_COST)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    prompts = _repetitive_prompts(3, 500)
+    prompts = repetitive_prompts(3, 500)
     expected = LLM(**options).generate(prompts, params)
     parallel = LLM(tensor_parallel_size=2, **options)
     try:

@@ -1,7 +1,8 @@
 """engine/cuda_graphs.py on the CPU: a step padded into the static buffers of its bucket (what a CUDA
 graph replays) gives the logits of the unpadded step, through the CPU attention kernel, which reads
 the same metadata as the Triton kernel; bucketing; the pad slot; engine outputs unchanged. The
-capture itself runs in tests/test_cuda.py on a GPU."""
+capture itself runs in tests/test_cuda.py on a GPU. Also bench speed's divergence report, which
+runs the same tiny model."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import random
 import pytest
 import torch
 from attention_cases import forward_items
+from conftest import repetitive_prompts
 
 from ngramspec import LLM, SamplingParams
 from ngramspec.engine.cuda_graphs import GraphLimits, StepGraphs
@@ -102,11 +104,7 @@ def test_engine_outputs_unchanged_on_static_inputs(tiny_model_dirs, speculative)
     the tokens of the eager engine."""
     options = dict(model=str(tiny_model_dirs["llama"]), device="cpu", dtype="float32",
                    speculative=speculative, verify_cost=[1.0] * 14, max_num_batched_tokens=96)
-    rng = random.Random(3)
-    prompts = []
-    for _ in range(5):
-        base = [rng.randrange(3, 500) for _ in range(20)]
-        prompts.append(base + base[:10] + base)
+    prompts = repetitive_prompts(5, 500, length=20, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     eager = [o.token_ids for o in LLM(**options).generate(prompts, params)]
     llm = LLM(**options)

@@ -12,6 +12,7 @@ from conftest import (
     check_divergence,
     first_difference,
     prefill_logits,
+    repetitive_prompts,
     spec_prompts,
 )
 
@@ -85,11 +86,7 @@ def test_learning_during_the_forward_changes_nothing(tiny_model_dirs, monkeypatc
     the same trees, hence the same tokens and counters, as learning in the next propose."""
     from ngramspec.engine.model_runner import ModelRunner
 
-    rng = random.Random(5)
-    prompts = []
-    for _ in range(6):
-        base = [rng.randrange(3, 500) for _ in range(30)]
-        prompts.append(base + base[:15] + base)
+    prompts = repetitive_prompts(6, 500, length=30, seed=5)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     options = dict(model=str(tiny_model_dirs["llama"]), dtype="float32", speculative="ngram",
                    verify_cost=FLAT_COST)

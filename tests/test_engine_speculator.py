@@ -5,14 +5,21 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ngramspec.drafting.config import DrafterConfig
 from ngramspec.drafting.tree import DraftTree
 from ngramspec.engine.acceptance import PathProbCalibrator
 from ngramspec.engine.cost_model import VerifyCost
+from ngramspec.engine.scheduler import Schedule, ScheduledChunk
+from ngramspec.engine.sequence import Sequence
 from ngramspec.engine.speculator import (
+    IDLE_AFTER,
+    IDLE_PROBE_EVERY,
     PER_TREE_OVERHEAD_S,
     TREE_STEP_OVERHEAD_S,
+    Speculator,
     choose_draft_sizes,
 )
+from ngramspec.sampling_params import SamplingParams
 
 
 def chain(probs: list[float]) -> DraftTree:
@@ -139,3 +146,43 @@ def test_request_acceptance_scales_one_request_by_its_own_record():
     assert choose_draft_sizes([ra.scale(1, chain([0.6, 0.5, 0.4]).probs)], 1, cost) == [0]
     ra.forget(1)
     assert ra.factor(1) == 1.0 and ra.factor(2) > 1.0
+
+
+class _CountingDrafter:
+    """Trees of one fixed shape, and a count of the batches it was asked for."""
+
+    def __init__(self, probs: list[float]) -> None:
+        self.probs, self.calls = probs, 0
+
+    def propose(self, request_ids: list[str], budgets: list[int]) -> list[DraftTree]:
+        self.calls += 1
+        return [chain(list(self.probs)) for _ in request_ids]
+
+
+def _decode_schedule(n: int) -> Schedule:
+    params = SamplingParams(temperature=0.0)
+    seqs = [Sequence(i, f"r{i}", [5, 6, 7], 2, params, (2,), use_spec=True) for i in range(n)]
+    return Schedule([ScheduledChunk(s, 2, [1 + s.seq_id]) for s in seqs], [], 10_000)
+
+
+def test_drafting_pauses_while_sized_trees_keep_nothing_and_probes():
+    # A verify cost that rises steeply: no draft ever pays, so the sized trees are empty.
+    steep = VerifyCost([1, 2, 64], [0.01, 0.05, 5.0])
+    drafter = _CountingDrafter([0.05, 0.04, 0.03])
+    spec = Speculator(DrafterConfig(), drafter, steep)
+    steps = IDLE_AFTER + 3 * IDLE_PROBE_EVERY
+    for _ in range(steps):
+        assert not any(t.num_drafts for t in spec.propose(_decode_schedule(4)).values())
+    assert drafter.calls == IDLE_AFTER + 3  # then one probe every IDLE_PROBE_EVERY steps
+    # Another batch-size bucket has its own record; it drafts until it learns the same.
+    spec.propose(_decode_schedule(40))
+    assert drafter.calls == IDLE_AFTER + 4
+
+
+def test_drafting_never_pauses_while_drafts_pay():
+    flat = VerifyCost([1, 2, 64], [0.01, 0.01, 0.01])
+    drafter = _CountingDrafter([0.9, 0.8, 0.7])
+    spec = Speculator(DrafterConfig(), drafter, flat)
+    for _ in range(IDLE_AFTER + 2 * IDLE_PROBE_EVERY):
+        assert all(t.num_drafts for t in spec.propose(_decode_schedule(4)).values())
+    assert drafter.calls == IDLE_AFTER + 2 * IDLE_PROBE_EVERY

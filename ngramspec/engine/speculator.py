@@ -11,7 +11,7 @@ from ngramspec.engine.acceptance import PathProbCalibrator, RequestAcceptance
 from ngramspec.engine.cost_model import VerifyCost
 from ngramspec.engine.scheduler import Schedule, ScheduledChunk
 from ngramspec.engine.sequence import Sequence, SpecCounters
-from ngramspec.engine.throughput import ThroughputGuard
+from ngramspec.engine.throughput import ThroughputGuard, batch_bucket
 from ngramspec.engine.verify import VerifyResult
 
 
@@ -29,6 +29,10 @@ class Speculator:
         self._expected: dict[int, float] = {}  # seq_id -> calibrated expected accepted this step
         self.guard = ThroughputGuard() if cost is not None and learn_step_times else None
         self._predicted: tuple[float, float] | None = None  # (base, step) seconds of this step
+        # per batch-size bucket: sized steps in a row that kept no draft, and steps since the
+        # last draft while idle (see IDLE_AFTER)
+        self._idle: dict[int, int] = {}
+        self._skipped: dict[int, int] = {}
 
     def restart_calibration(self) -> None:
         """New weights: what was learned about acceptance no longer holds (the drafter's
@@ -61,7 +65,7 @@ class Speculator:
         if not chunks or schedule.spare_tokens <= 0:
             return {}
         budget = min(self.config.num_draft_tokens, schedule.spare_tokens // len(chunks))
-        if budget <= 0:
+        if budget <= 0 or self._idle_skip(batch_bucket(len(schedule.decodes))):
             return {}
         trees = self.drafter.propose([c.seq.request_id for c in chunks], [budget] * len(chunks))
         # Under a grammar: forced tokens first, forbidden nodes out, before anything is sized.
@@ -94,10 +98,24 @@ class Speculator:
             probe = self.guard.should_probe()
         sizes = [0] * len(trees) if probe else choose_draft_sizes(
             probs, base, cost, penalty, scale)
+        if not probe:
+            bucket = batch_bucket(len(schedule.decodes))
+            self._idle[bucket] = 0 if any(sizes) else self._idle.get(bucket, 0) + 1
         for c, k, p in zip(chunks, sizes, calibrated):  # what per_request will check
             self._expected[c.seq.seq_id] = sum(p[1 : k + 1])
         self._predicted = (cost(base), predicted_step_cost(sizes, base, cost))
         return [tree.prefix(k) for tree, k in zip(trees, sizes)]
+
+    def _idle_skip(self, bucket: int) -> bool:
+        """Whether to skip drafting this step: the cost-sized trees at this batch size have kept
+        nothing for IDLE_AFTER steps in a row (then drafting a whole batch buys nothing: on a
+        GPU at 64 requests of chat it cost a third of every step). One step in IDLE_PROBE_EVERY
+        still drafts, to see whether drafts pay again."""
+        if self.cost is None or self._idle.get(bucket, 0) < IDLE_AFTER:
+            return False
+        skipped = self._skipped.get(bucket, 0) + 1
+        self._skipped[bucket] = 0 if skipped >= IDLE_PROBE_EVERY else skipped
+        return skipped < IDLE_PROBE_EVERY
 
     def after_step(self, schedule: Schedule, seconds: float) -> None:
         """Feed a decode-only step's time to the guard (prefill steps are not comparable)."""
@@ -117,6 +135,11 @@ class Speculator:
             self.per_request.observe(seq.seq_id, expected, len(result.accepted_nodes))
         return SpecCounters(1, tree.num_drafts, len(result.accepted_nodes), len(appended))
 
+
+# Drafting pauses at a batch size after IDLE_AFTER sized steps in a row kept no draft there, and
+# drafts again one step in IDLE_PROBE_EVERY (Speculator._idle_skip).
+IDLE_AFTER = 8
+IDLE_PROBE_EVERY = 16
 
 # Host-side cost of verifying trees rather than single tokens: per step (mask building) and per
 # tree that drafts anything (tree walk, slot bookkeeping, drafter feedback).

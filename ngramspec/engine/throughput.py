@@ -20,8 +20,9 @@ MIN_PENALTY = 0.5
 MAX_PENALTY = 50.0
 
 
-def _bucket(num_seqs: int) -> int:
-    return min(num_seqs.bit_length(), 6)  # 1, 2-3, 4-7, 8-15, 16-31, 32+
+def batch_bucket(num_seqs: int) -> int:
+    """Batch sizes learned about together: 1, 2-3, 4-7, 8-15, 16-31, 32+."""
+    return min(num_seqs.bit_length(), 6)
 
 
 def _ema(old: float | None, new: float) -> float:
@@ -37,7 +38,7 @@ class ThroughputGuard:
 
     def correction(self, num_seqs: int) -> tuple[float, float]:
         """(base_scale, penalty) for a step of `num_seqs` decoding sequences."""
-        b = _bucket(num_seqs)
+        b = batch_bucket(num_seqs)
         scale = self.base_scale.get(b, 1.0)
         predicted = self.extra_predicted.get(b)
         if not predicted:
@@ -54,7 +55,7 @@ class ThroughputGuard:
         """A decode-only step: the curve's time without and with its drafts, and the truth."""
         if seconds <= 0 or base_predicted <= 0:
             return
-        b = _bucket(num_seqs)
+        b = batch_bucket(num_seqs)
         if step_predicted <= base_predicted:  # a plain step
             self.base_scale[b] = _ema(self.base_scale.get(b), seconds / base_predicted)
             return
