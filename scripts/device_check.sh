@@ -137,7 +137,9 @@ for name in (f"speed_code_edit_c{hi}", f"speed_spec_bench_c{hi}"):
     if st and st.get("step_time"):
         s["checks"][name.removeprefix("speed_") + "_draft_share"] = {
             "critical": round(st["draft_time"] / st["step_time"], 4),
-            "overlapped": round(st.get("overlapped_draft_time", 0.0) / st["step_time"], 4)}
+            "overlapped": round(st.get("overlapped_draft_time", 0.0) / st["step_time"], 4),
+            # the GPU's own forward time: what is left of a step is host work
+            "gpu_busy": round(st.get("device_time", 0.0) / st["step_time"], 4)}
 try:
     s["checks"]["graphs_vs_eager_b1"] = json.loads(pathlib.Path("/tmp/graphs_ab.json").read_text())
 except Exception as e:

@@ -83,6 +83,8 @@ def test_cuda_graphs_give_the_eager_tokens(tiny_model_dirs, speculative):
     graphs.run = counting
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert replayed >= 20
+    stats = llm.engine.stats  # CUDA events time the forwards: inside the steps' wall time
+    assert 0 < stats.device_time < stats.step_time
 
 
 def _top2_gap(llm: LLM, prompt: list[int], output: list[int], at: int) -> tuple[float, float]:

@@ -283,6 +283,7 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.after_step(schedule, time.perf_counter() - t0)
         self.stats.add_step(t1 - t0, t2 - t1, time.perf_counter() - t0)
+        self.stats.device_time += self.runner.take_device_seconds()
         self.stats.num_prefill_tokens += sum(c.num_tokens for c in schedule.prefills)
         return outputs
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import importlib.util
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -56,6 +57,8 @@ class ModelRunner:
         # SDPA builds per-step groups and masks, which a graph cannot hold: it runs eagerly
         self.graph_limits = graphs if self.paged else None
         self.graphs = self._graphs()
+        self._device_seconds = 0.0
+        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA forwards
 
     @property
     def asynchronous(self) -> bool:
@@ -110,6 +113,29 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, items: list[ForwardItem]) -> torch.Tensor:
         """Logits for every requested row, item by item in order: [num_rows, vocab] float32."""
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            logits = self._run(items)
+            self._device_seconds += time.perf_counter() - t0
+            return logits
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        logits = self._run(items)
+        end.record()
+        self._pending.append((start, end))
+        return logits
+
+    def take_device_seconds(self) -> float:
+        """Seconds the device spent in forwards since the last call (host work and waits
+        excluded on CUDA, where each forward is timed by events; wall time on the CPU). A CUDA
+        forward still running is counted by a later call."""
+        while self._pending and self._pending[0][1].query():
+            start, end = self._pending.pop(0)
+            self._device_seconds += start.elapsed_time(end) / 1000
+        seconds, self._device_seconds = self._device_seconds, 0.0
+        return seconds
+
+    def _run(self, items: list[ForwardItem]) -> torch.Tensor:
         flat = flatten(items, self.paged)
         if self.graphs is not None and (logits := self.graphs.run(flat)) is not None:
             return logits

@@ -223,6 +223,10 @@ class TensorParallelRunner:
             self._broken = f"a forward failed on rank 0: {e}"
             raise
 
+    def take_device_seconds(self) -> float:
+        """Rank 0's forward time (ModelRunner.take_device_seconds)."""
+        return self.local.take_device_seconds()
+
     def load_weights(self, state: dict[str, torch.Tensor], gguf_weights: dict | None = None
                      ) -> None:
         """New weights on every rank: rank 0 checks its slice first (ValueError, nothing

@@ -16,6 +16,9 @@ class EngineStats(SpecCounters):
     draft_time: float = 0.0  # schedule + propose + reserve
     forward_time: float = 0.0
     step_time: float = 0.0
+    # the device's own time in forwards (CUDA events; the forward's wall time on the CPU): with
+    # step_time, how busy the accelerator is kept
+    device_time: float = 0.0
     # drafting done while the accelerator ran a step (Speculator.overlap): in step_time only
     overlapped_draft_time: float = 0.0
     grammar_mask_time: float = 0.0  # computing and applying grammar masks (structured outputs)
@@ -33,6 +36,7 @@ class EngineStats(SpecCounters):
         steps = max(self.num_steps, 1)
         d["draft_ms_per_step"] = 1000 * self.draft_time / steps
         d["forward_ms_per_step"] = 1000 * self.forward_time / steps
+        d["device_ms_per_step"] = 1000 * self.device_time / steps
         if self.grammar_mask_rows:
             d["grammar_mask_us_per_node"] = 1e6 * self.grammar_mask_time / self.grammar_mask_rows
         return d
