@@ -12,6 +12,8 @@ import pytest
 import torch
 from attention_cases import forward_items
 from conftest import repetitive_prompts
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ngramspec import LLM, SamplingParams
 from ngramspec.engine.cuda_graphs import GraphLimits, StepGraphs
@@ -145,3 +147,23 @@ def test_divergence_gaps_are_the_plain_models_top2_gap(llm):
     top = llm.engine.runner.run([item])[0].topk(2).values
     assert len(gaps) == 1 and gaps[0] == pytest.approx(float(top[0] - top[1]), abs=1e-3)
     assert gaps[0] > 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 10**6), min_size=1, max_size=20), st.integers(0, 5))
+def test_tree_as_parents_flattens_like_its_ancestor_mask(seeds, prefix):
+    """ForwardItem.parents (what the engine sends) and the equivalent ancestor mask give the same
+    per-token key lists and the same SDPA mask."""
+    from ngramspec.drafting.tree import DraftTree
+
+    parents = [-1] + [s % i for i, s in zip(range(1, len(seeds)), seeds[1:])]
+    tree = DraftTree([1] * len(parents), parents, [1.0] * len(parents))
+    slots = [100 + 3 * i for i in range(len(parents))]
+    positions = list(range(prefix, prefix + len(parents)))
+    by_mask = ForwardItem(tree.token_ids, positions, list(range(1, prefix + 1)), slots,
+                          tree.ancestor_mask(), [0])
+    by_parents = ForwardItem(tree.token_ids, positions, list(range(1, prefix + 1)), slots, None,
+                             [0], parents=parents)
+    assert by_parents.mask() == tree.ancestor_mask() and not by_parents.causal
+    a, b = flatten([by_mask]), flatten([by_parents])
+    assert (a.local, a.local_offsets, a.causal) == (b.local, b.local_offsets, b.causal)

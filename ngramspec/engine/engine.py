@@ -312,7 +312,7 @@ class LLMEngine:
         seq, start = chunk.seq, chunk.start
         if tree is not None and tree.num_drafts:
             return ForwardItem(tree.token_ids, tree.positions(start), seq.slots, chunk.slots,
-                               tree.ancestor_mask(), list(range(len(tree))))
+                               None, list(range(len(tree))), parents=tree.parents)
         end = start + chunk.num_tokens
         # rows for prompt logprobs (each predicts the next prompt token), then the sampling row
         rows = list(range(_prompt_rows(chunk))) + ([chunk.num_tokens - 1] if chunk.samples else [])

@@ -220,8 +220,8 @@ class ModelRunner:
                               kv_range=(lo, hi), mask=mask, output_index=None, token_index=rows)
 
     def _local_mask(self, it: ForwardItem) -> torch.Tensor:
-        if it.local_mask is not None:
-            return torch.tensor(it.local_mask, device=self.device)
+        if not it.causal:
+            return torch.tensor(it.mask(), device=self.device)
         n = len(it.token_ids)
         if n not in self._causal:
             self._causal[n] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()

@@ -19,6 +19,25 @@ class ForwardItem:
     slots: list[int]  # [n] where the query tokens' K/V are written
     local_mask: list[list[bool]] | None  # [n, n] mask among query tokens; None = causal
     logits_rows: list[int]  # query rows whose logits are needed
+    # instead of local_mask, a tree as parent indices (-1 for the root, each parent before its
+    # child): row i sees its ancestors and itself. Cheaper to flatten than a mask.
+    parents: list[int] | None = None
+
+    @property
+    def causal(self) -> bool:
+        return self.local_mask is None and self.parents is None
+
+    def mask(self) -> list[list[bool]] | None:
+        """The [n, n] mask among query tokens (None = causal)."""
+        if self.parents is None:
+            return self.local_mask
+        n = len(self.parents)
+        mask = [[False] * n for _ in range(n)]
+        for i, parent in enumerate(self.parents):
+            if parent >= 0:
+                mask[i][:i] = mask[parent][:i]
+            mask[i][i] = True
+        return mask
 
 
 @dataclass(slots=True)
@@ -73,7 +92,15 @@ def flatten(items: list[ForwardItem], paged: bool = True) -> FlatStep:
         seq_offsets.append(len(ids))
         prefixes.append(it.prefix_slots)
         prefix_offsets.append(prefix_offsets[-1] + len(it.prefix_slots))
-        causal.append(int(it.local_mask is None))
+        causal.append(int(it.causal))
+        if it.parents is not None:  # a token sees its parent's list, then itself
+            seen_by: list[list[int]] = []
+            for parent, slot in zip(it.parents, it.slots):
+                own = (seen_by[parent] if parent >= 0 else []) + [slot]
+                seen_by.append(own)
+                local += own
+                local_offsets.append(len(local))
+            continue
         for row in it.local_mask or [[]] * len(it.token_ids):
             local += [s for s, seen in zip(it.slots, row) if seen]
             local_offsets.append(len(local))
