@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run THERE (the GPU machine, repo root), after scripts/device_stage.sh here and a first call that
-# carried .model/a. Writes its results as JSON under $OUT in under 8 minutes on one H200:
+# carried .model/a (see the calls device_stage.sh prints). Writes its results as JSON under $OUT in
+# under 8 minutes on one H200 (about 7 on 2026-12-04):
 #   tests.txt        the GPU-marked tests (tests/test_cuda.py)
 #   engine.json      bench engine --device cuda: our plain decode vs HF transformers generate
 #   speed_*.json     bench speed on code_edit and Spec-Bench, concurrency 1 and 64

