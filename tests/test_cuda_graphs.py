@@ -116,9 +116,9 @@ def test_engine_outputs_unchanged_on_static_inputs(tiny_model_dirs, speculative)
     padded_steps = 0
     run = runner.graphs.run
 
-    def counting(flat):
+    def counting(flat, *rest):
         nonlocal padded_steps
-        out = run(flat)
+        out = run(flat, *rest)
         padded_steps += out is not None
         return out
 

@@ -129,7 +129,10 @@ def divergence_gaps(plain_llm, ids: list[list[int]], plain: list[list[int]],
                     other: list[list[int]]) -> list[float]:
     """For each request whose output differs from plain decoding: the plain model's logit gap
     between its top two tokens where they part. Exact modes never differ; in bf16 a tree verify
-    and a single decode round differently, so only near-ties (gaps of a bf16 rounding) may flip."""
+    and a single decode round differently, so only near-ties (gaps of a bf16 rounding) may flip.
+    The gap comes from one prefill forward over the prompt and plain's tokens up to there, which
+    rounds like neither step (and sees no grammar mask): a close estimate, not the logits
+    either run sampled from."""
     from ngramspec.engine.step_inputs import ForwardItem
 
     engine, gaps = plain_llm.engine, []

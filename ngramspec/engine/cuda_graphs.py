@@ -25,6 +25,9 @@ padding against the unpadded path on the CPU kernel, which reads the same metada
 from __future__ import annotations
 
 import bisect
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -111,23 +114,25 @@ class StepGraphs:
     # ------------------------------------------------------------------ running
 
     @torch.inference_mode()
-    def run(self, flat: FlatStep) -> torch.Tensor | None:
-        """Logits of the step's requested rows ([R, vocab] float32), or None: run it eagerly."""
+    def run(self, flat: FlatStep,
+            timed: Callable[[], AbstractContextManager] = contextlib.nullcontext
+            ) -> torch.Tensor | None:
+        """Logits of the step's requested rows ([R, vocab] float32), or None: run it eagerly.
+        `timed()` wraps the device work (the replay), not the host's preparation."""
         key = self.bucket(flat)
         if key is None:
             return None
         if self.copied is not None:
-            self.copied.synchronize()  # the host buffer is still being read by the last copy
+            self.copied.synchronize()  # the host buffer may still be read by the last copy
+        if self.capture and key not in self.graphs:
+            self.graphs[key] = self._capture(*key)  # on idle inputs, before the step's own
         self._fill(flat, key[0])
         self._upload(len(flat.local), flat.num_prefix)
         num_rows = len(flat.logit_rows)
-        if not self.capture:
-            return self._forward(*key)[:num_rows]
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(*key)
-            self._fill(flat, key[0])  # the capture ran on idle inputs
-            self._upload(len(flat.local), flat.num_prefix)
-        self.graphs[key].replay()
+        with timed():
+            if not self.capture:
+                return self._forward(*key)[:num_rows]
+            self.graphs[key].replay()
         assert self.logits is not None
         # a copy: the static rows are overwritten by the next replay
         return self.logits[:num_rows].clone()

@@ -474,10 +474,12 @@ def _kv_cache_bytes(config: EngineConfig, device: torch.device, per_slot: int,
         return config.kv_cache_bytes
     if device.type != "cuda":
         return 1 << 30
-    # the budget covers all ranks (each holds its share of the K/V heads)
+    # the budget covers all ranks (each holds its share of the K/V heads); at most 30% of the
+    # GPU, and half of what is free now (the weights and CUDA graphs come after)
     wanted = (config.max_num_seqs * max_model_len + 1) * per_slot
-    memory = torch.cuda.get_device_properties(device).total_memory * config.tensor_parallel_size
-    return max(1 << 30, min(wanted, int(0.3 * memory)))
+    free, total = torch.cuda.mem_get_info(device)
+    limit = min(0.3 * total, 0.5 * free) * config.tensor_parallel_size
+    return max(1 << 30, min(wanted, int(limit)))
 
 
 def _verified_tree(chunk: ScheduledChunk, trees: dict[int, DraftTree]) -> DraftTree:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import importlib.util
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -105,7 +106,8 @@ class ModelRunner:
         except (KeyError, RuntimeError) as e:  # a missing matrix, or shapes that differ
             raise ValueError(f"the new weights do not fit this model: {e}") from e
         self.model = model
-        self.graphs = self._graphs()  # the old graphs replay the old weights
+        self.graphs = None  # the old graphs replay the old weights; free them before capturing
+        self.graphs = self._graphs()
 
     def close(self) -> None:
         """Nothing to release in one process (engine/parallel.py's runner stops its ranks)."""
@@ -113,34 +115,40 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, items: list[ForwardItem]) -> torch.Tensor:
         """Logits for every requested row, item by item in order: [num_rows, vocab] float32."""
+        flat = flatten(items, self.paged)
+        if self.graphs is not None and (logits := self.graphs.run(flat, self._timed)) is not None:
+            return logits
+        input_ids, positions, meta, logits_index = self._prepare(items, flat)
+        with self._timed():
+            return self.model(input_ids, positions, self.cache, meta, logits_index)
+
+    @contextlib.contextmanager
+    def _timed(self) -> Iterator[None]:
+        """Time the device work launched inside (CUDA events, resolved once complete; wall time on
+        the CPU, where the work is done when the block ends). Host preparation stays outside."""
         if self.device.type != "cuda":
             t0 = time.perf_counter()
-            logits = self._run(items)
+            yield
             self._device_seconds += time.perf_counter() - t0
-            return logits
+            return
+        self._resolve_events()  # keeps the list short where nobody takes the total (TP followers)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        logits = self._run(items)
+        yield
         end.record()
         self._pending.append((start, end))
-        return logits
 
-    def take_device_seconds(self) -> float:
-        """Seconds the device spent in forwards since the last call (host work and waits
-        excluded on CUDA, where each forward is timed by events; wall time on the CPU). A CUDA
-        forward still running is counted by a later call."""
+    def _resolve_events(self) -> None:
         while self._pending and self._pending[0][1].query():
             start, end = self._pending.pop(0)
             self._device_seconds += start.elapsed_time(end) / 1000
+
+    def take_device_seconds(self) -> float:
+        """Seconds the device spent in forwards since the last call (host work and waits
+        excluded). A CUDA forward still running is counted by a later call."""
+        self._resolve_events()
         seconds, self._device_seconds = self._device_seconds, 0.0
         return seconds
-
-    def _run(self, items: list[ForwardItem]) -> torch.Tensor:
-        flat = flatten(items, self.paged)
-        if self.graphs is not None and (logits := self.graphs.run(flat)) is not None:
-            return logits
-        input_ids, positions, meta, logits_index = self._prepare(items, flat)
-        return self.model(input_ids, positions, self.cache, meta, logits_index)
 
     def _prepare(self, items: list[ForwardItem], flat: FlatStep):
         dev = self.device

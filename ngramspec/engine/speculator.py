@@ -40,6 +40,8 @@ class Speculator:
         self.calibrator = PathProbCalibrator()
         self.per_request = RequestAcceptance()
         self._expected.clear()
+        self._idle.clear()  # whether drafts pay is for the new weights to show
+        self._skipped.clear()
         if self.guard is not None:
             self.guard = ThroughputGuard()
 

@@ -178,6 +178,8 @@ class TritonPagedAttention:
 
     def __init__(self, splits: int | None = None) -> None:
         """`splits`: prefix shares per sequence; None = `prefix_splits` for each batch."""
+        if splits is not None and not 1 <= splits <= MAX_SPLITS:
+            raise ValueError(f"splits={splits}: the merge kernel takes 1 to {MAX_SPLITS}")
         self.splits = splits
         self._num_sms: int | None = None
 
