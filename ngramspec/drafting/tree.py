@@ -68,14 +68,7 @@ class DraftTree:
 
     def ancestor_mask(self) -> list[list[bool]]:
         """mask[i][j] is True iff j is i itself or an ancestor of i (SGLang's tree mask)."""
-        n = len(self.parents)
-        mask = [[False] * n for _ in range(n)]
-        mask[0][0] = True
-        for i in range(1, n):
-            row = mask[i]
-            row[: i] = mask[self.parents[i]][: i]
-            row[i] = True
-        return mask
+        return ancestor_mask(self.parents)
 
     def children(self) -> list[list[int]]:
         kids: list[list[int]] = [[] for _ in self.parents]
@@ -132,3 +125,15 @@ class DraftTree:
                 break
             path.append(node)
         return path
+
+
+def ancestor_mask(parents: list[int]) -> list[list[bool]]:
+    """mask[i][j] is True iff j is i itself or an ancestor of i, for parent indices (-1: a root;
+    every parent before its child)."""
+    n = len(parents)
+    mask = [[False] * n for _ in range(n)]
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            mask[i][:i] = mask[parent][:i]
+        mask[i][i] = True
+    return mask

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ngramspec.drafting.tree import ancestor_mask
+
 
 @dataclass(slots=True)
 class ForwardItem:
@@ -29,15 +31,7 @@ class ForwardItem:
 
     def mask(self) -> list[list[bool]] | None:
         """The [n, n] mask among query tokens (None = causal)."""
-        if self.parents is None:
-            return self.local_mask
-        n = len(self.parents)
-        mask = [[False] * n for _ in range(n)]
-        for i, parent in enumerate(self.parents):
-            if parent >= 0:
-                mask[i][:i] = mask[parent][:i]
-            mask[i][i] = True
-        return mask
+        return self.local_mask if self.parents is None else ancestor_mask(self.parents)
 
 
 @dataclass(slots=True)
