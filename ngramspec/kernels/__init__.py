@@ -3,14 +3,24 @@
 `gguf_kernels.cpp` multiplies by weights kept in GGUF's Q4_0/Q4_1/Q8_0 blocks; `attention.cpp`
 attends over the KV cache in place (prefix + visible query tokens per token). They are built with
 torch's extension builder (ninja + the system g++) for the CPU it runs on (-march=native) into
-`<ngramspec cache>/kernels`, once per source version; later imports load the cached library.
+`<ngramspec cache>/kernels/<key>`, the key hashing everything the build reads, so checkouts at other
+paths or revisions never rebuild each other's library; later imports load the cached one.
+
+torch guards a build with a lock file that a killed build leaves behind, after which every later
+load waits on it forever (tests here hung so, at collection). Builds here are serialised by an
+flock instead, which the kernel drops with its process: holding it, a torch lock file is stale.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import hashlib
 import os
+import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -22,11 +32,45 @@ class KernelBuildError(RuntimeError):
     """The native kernels could not be compiled or loaded on this machine."""
 
 
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # -fopenmp: at::parallel_for is inline OpenMP
+_LDFLAGS = ["-fopenmp"]  # the soname resolves to torch's libgomp
+_LOCK_TIMEOUT_S = 1800.0  # far beyond a build (~1-2 min on 2 cores): only a stuck builder waits this long
+
+
 def _build_dir() -> Path:
+    import torch
+
+    key = hashlib.sha256(f"{torch.__version__} {_CFLAGS} {_LDFLAGS}".encode())
+    for source in sorted(Path(__file__).parent.glob("*.[ch]*")):  # the sources and their headers
+        key.update(str(source).encode())
+        key.update(source.read_bytes())
     root = Path(os.environ.get("NGRAMSPEC_CACHE", Path.home() / ".cache" / "ngramspec"))
-    path = root / "kernels"
+    path = root / "kernels" / key.hexdigest()[:16]
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@contextlib.contextmanager
+def _exclusive_build(directory: Path, timeout_s: float = _LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Hold the directory's flock, and clear a torch lock file that a killed build left there."""
+    with open(directory / "build.flock", "w") as handle:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise KernelBuildError(
+                        f"another process has held {directory / 'build.flock'} for over "
+                        f"{timeout_s:.0f} s; end it or delete the directory") from None
+                time.sleep(0.1)
+        try:
+            # Every torch build here runs under this flock, so a lock file present now has no owner.
+            (directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @functools.cache
@@ -34,16 +78,19 @@ def cpu_kernels() -> ModuleType:
     """The compiled kernel module (gguf_linear, gguf_rows, paged_attention, has_avx512)."""
     from torch.utils.cpp_extension import load
 
+    directory = _build_dir()
     try:
-        return load(
-            name="ngramspec_cpu",
-            sources=[str(s) for s in _SOURCES],
-            # -fopenmp: at::parallel_for is inline OpenMP; the soname resolves to torch's libgomp.
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(_build_dir()),
-            verbose=False,
-        )
+        with _exclusive_build(directory):
+            return load(
+                name="ngramspec_cpu",
+                sources=[str(s) for s in _SOURCES],
+                extra_cflags=_CFLAGS,
+                extra_ldflags=_LDFLAGS,
+                build_directory=str(directory),
+                verbose=False,
+            )
+    except KernelBuildError:
+        raise
     except Exception as e:  # compiler missing, ninja missing, a failed build
         raise KernelBuildError(
             f"cannot build the CPU kernels ({type(e).__name__}: {e}); they need a C++ "
