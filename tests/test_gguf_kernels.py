@@ -74,11 +74,14 @@ def test_bad_shapes_and_types_are_named():
         GGUFWeight(weight.blocks[:, :-1].contiguous(), weight.qtype, 64)
     with pytest.raises(ValueError, match="no kernel"):
         GGUFWeight(weight.blocks, 12, 64)  # Q4_K
+    packed = cpu_kernels().gguf_pack(weight.blocks, weight.qtype, 64)
     with pytest.raises(RuntimeError, match="float32"):
-        cpu_kernels().gguf_linear(torch.randn(2, 64, dtype=torch.float64), weight.blocks,
-                                   weight.qtype, None)
+        cpu_kernels().gguf_linear(torch.randn(2, 64, dtype=torch.float64), packed,
+                                   weight.qtype, 8, None)
     with pytest.raises(RuntimeError, match="bytes a row"):
-        cpu_kernels().gguf_linear(torch.randn(2, 96), weight.blocks, weight.qtype, None)
+        cpu_kernels().gguf_linear(torch.randn(2, 96), packed, weight.qtype, 8, None)
+    with pytest.raises(RuntimeError, match="do not fit packed weights"):
+        cpu_kernels().gguf_linear(torch.randn(2, 64), packed, weight.qtype, 9, None)
 
 
 def test_quantization_auto_picks_the_gguf_kernels_for_a_gguf_model_on_cpu():

@@ -2,7 +2,8 @@
 
 #include <torch/extension.h>
 
-torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype,
+torch::Tensor gguf_pack(const torch::Tensor& w, int64_t qtype, int64_t K);
+torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t N,
                           const c10::optional<torch::Tensor>& bias);
 torch::Tensor gguf_rows(const torch::Tensor& w, const torch::Tensor& ids, int64_t qtype, int64_t K);
 bool has_avx512();
@@ -29,7 +30,8 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t
                          const c10::optional<torch::Tensor>& bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gguf_linear", &gguf_linear, "x @ dequant(w).T from GGUF blocks (fp32 accumulate)");
+  m.def("gguf_pack", &gguf_pack, "GGUF blocks in groups of 8 rows with interleaved blocks");
+  m.def("gguf_linear", &gguf_linear, "x @ dequant(w).T from packed GGUF blocks (fp32 accumulate)");
   m.def("gguf_rows", &gguf_rows, "dequantised rows of a GGUF matrix");
   m.def("has_avx512", &has_avx512, "whether the vector paths were compiled");
   m.def("paged_attention", &paged_attention,

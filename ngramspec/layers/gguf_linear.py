@@ -52,7 +52,8 @@ class GGUFWeight:
 class GGUFLinear(nn.Module):
     """On a CPU with AMX (bf16 tiles) the blocks are re-ordered once into AMX tiles and 1 to 16
     rows cost about the same (`amx_linear.cpp`: activations rounded to bf16, fp32 sums); else
-    the AVX-512 kernel runs them as they are (`gguf_kernels.cpp`: fp32 throughout)."""
+    the AVX-512 kernel runs them packed in groups of 8 rows with interleaved blocks, the same bits
+    (`gguf_kernels.cpp`: fp32 throughout)."""
 
     def __init__(self, weight: GGUFWeight, bias: torch.Tensor | None = None,
                  use_amx: bool | None = None) -> None:
@@ -66,13 +67,15 @@ class GGUFLinear(nn.Module):
         blocks = weight.blocks.contiguous()
         if self.uses_amx:
             blocks = self._kernels.amx_pack(blocks, self.qtype, self.in_features)
+        else:  # 8 rows' blocks interleaved: one contiguous stream per 8-output tile
+            blocks = self._kernels.gguf_pack(blocks, self.qtype, self.in_features)
         self.register_buffer("blocks", blocks)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] float32 -> [T, out]
         if self.uses_amx:
             return self._kernels.amx_linear(x, self.blocks, self.qtype, self.bias)
-        return self._kernels.gguf_linear(x, self.blocks, self.qtype, self.bias)
+        return self._kernels.gguf_linear(x, self.blocks, self.qtype, self.out_features, self.bias)
 
     def extra_repr(self) -> str:
         kernel = "amx" if self.uses_amx else "avx512"
