@@ -78,8 +78,8 @@ def cpu_kernels() -> ModuleType:
     """The compiled kernel module (gguf_linear, gguf_rows, paged_attention, has_avx512)."""
     from torch.utils.cpp_extension import load
 
-    directory = _build_dir()
-    try:
+    try:  # the directory and its lock are part of the build: an unwritable cache falls back too
+        directory = _build_dir()
         with _exclusive_build(directory):
             return load(
                 name="ngramspec_cpu",
@@ -89,9 +89,9 @@ def cpu_kernels() -> ModuleType:
                 build_directory=str(directory),
                 verbose=False,
             )
-    except KernelBuildError:
+    except KernelBuildError:  # the lock's own, already clear
         raise
-    except Exception as e:  # compiler missing, ninja missing, a failed build
+    except Exception as e:  # compiler missing, ninja missing, a failed build, an unwritable cache
         raise KernelBuildError(
             f"cannot build the CPU kernels ({type(e).__name__}: {e}); they need a C++ "
             "compiler (g++) and the `ninja` package"

@@ -64,6 +64,13 @@ inline void dequant_block(int64_t qtype, const uint8_t* b, float* out) {
   }
 }
 
+constexpr int64_t kPack = 8;  // output rows whose blocks are interleaved (see the top)
+
+// Where output n's first block lies in the packed layout; its block b is kPack * bb further each.
+inline const uint8_t* packed_row(const uint8_t* w, int64_t row_bytes, int64_t bb, int64_t n) {
+  return w + (n / kPack) * kPack * row_bytes + (n % kPack) * bb;
+}
+
 #if defined(__AVX512F__)
 
 // Dequantise one block into two 16-lane vectors: elements 0..15 and 16..31.
@@ -90,7 +97,7 @@ inline void dequant(const uint8_t* b, __m512& lo, __m512& hi) {
 }
 
 // out[MR rows, NR outputs] = x[MR, K] . w[NR, K]^T for one tile; K = nblocks * 32. In the packed
-// layout output c's block b is at w + c * bb + b * 8 * bb (bb: bytes a block).
+// layout output c's block b is at w + c * bb + b * kPack * bb (bb: bytes a block).
 template <int64_t Q, int MR, int NR>
 void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t nblocks, float* out, int64_t ldo) {
   constexpr int64_t bb = block_bytes_of(Q);
@@ -105,7 +112,7 @@ void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t nblocks, float*
     }
     for (int c = 0; c < NR; ++c) {
       __m512 wlo, whi;
-      dequant<Q>(w + c * bb + blk * 8 * bb, wlo, whi);
+      dequant<Q>(w + c * bb + blk * kPack * bb, wlo, whi);
       for (int r = 0; r < MR; ++r) {
         acc[r][c] = _mm512_fmadd_ps(xlo[r], wlo, acc[r][c]);
         acc[r][c] = _mm512_fmadd_ps(xhi[r], whi, acc[r][c]);
@@ -114,11 +121,6 @@ void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t nblocks, float*
   }
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NR; ++c) out[r * ldo + c] = _mm512_reduce_add_ps(acc[r][c]);
-}
-
-// Where output n's first block lies in the packed layout.
-inline const uint8_t* packed_row(const uint8_t* w, int64_t row_bytes, int64_t bb, int64_t n) {
-  return w + (n / 8) * 8 * row_bytes + (n % 8) * bb;
 }
 
 // Outputs [n0, n1) (n0 a multiple of 8) for all M rows: weights stream once, x stays in cache.
@@ -156,11 +158,11 @@ void matmul_range(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_
   const int64_t nblocks = K / kBlock, bb = block_bytes(Q);
   float deq[32];
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wn = w + (n / 8) * 8 * row_bytes + (n % 8) * bb;  // the packed layout
+    const uint8_t* wn = packed_row(w, row_bytes, bb, n);
     for (int64_t m = 0; m < M; ++m) {
       float lanes[16] = {0};
       for (int64_t blk = 0; blk < nblocks; ++blk) {
-        dequant_block(Q, wn + blk * 8 * bb, deq);
+        dequant_block(Q, wn + blk * kPack * bb, deq);
         const float* xb = x + m * K + blk * kBlock;
         for (int i = 0; i < 16; ++i) lanes[i] = std::fma(xb[i], deq[i], lanes[i]);
         for (int i = 0; i < 16; ++i) lanes[i] = std::fma(xb[16 + i], deq[16 + i], lanes[i]);
@@ -174,7 +176,7 @@ void matmul_range(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_
 
 #endif
 
-void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K) {  // GGUF's row-major blocks
+void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K) {  // either layout
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 2 &&
                   w.is_contiguous(),
               "GGUF weight must be a contiguous CPU uint8 tensor [N, row_bytes]");
@@ -188,10 +190,10 @@ void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K) {  // GGUF's
 // GGUF blocks [N, row_bytes] -> the packed layout [ceil(N / 8) * 8, row_bytes] (see the top).
 torch::Tensor gguf_pack(const torch::Tensor& w, int64_t qtype, int64_t K) {
   check_weight(w, qtype, K);
-  const int64_t N = w.size(0), groups = (N + 7) / 8, nb = K / kBlock, bb = block_bytes(qtype);
-  torch::Tensor padded = torch::zeros({groups * 8, w.size(1)}, w.options());
+  const int64_t N = w.size(0), groups = (N + kPack - 1) / kPack, nb = K / kBlock, bb = block_bytes(qtype);
+  torch::Tensor padded = torch::zeros({groups * kPack, w.size(1)}, w.options());
   padded.narrow(0, 0, N).copy_(w);
-  return padded.view({groups, 8, nb, bb}).transpose(1, 2).contiguous().view({groups * 8, w.size(1)});
+  return padded.view({groups, kPack, nb, bb}).transpose(1, 2).contiguous().view({groups * kPack, w.size(1)});
 }
 
 // x: [M, K] float32 -> [M, N] float32, with w: GGUF blocks of type qtype packed by gguf_pack.
@@ -201,7 +203,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& w, int64_
               "gguf_linear: x must be a 2-D CPU float32 tensor");
   const int64_t M = x.size(0), K = x.size(1);
   check_weight(w, qtype, K);
-  TORCH_CHECK(w.size(0) % 8 == 0 && N > w.size(0) - 8 && N <= w.size(0), "gguf_linear: ", N,
+  TORCH_CHECK(w.size(0) % kPack == 0 && N > w.size(0) - kPack && N <= w.size(0), "gguf_linear: ", N,
               " outputs do not fit packed weights of ", w.size(0), " rows (see gguf_pack)");
   const torch::Tensor xc = x.contiguous();
   torch::Tensor out = torch::empty({M, N}, x.options());
@@ -210,10 +212,10 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& w, int64_
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t row_bytes = w.size(1);
-  // Whole 8-output groups per task, so every thread runs the same tile shapes.
-  const int64_t groups = (N + 7) / 8;
+  // Whole packed groups per task, so every thread runs the same tile shapes.
+  const int64_t groups = (N + kPack - 1) / kPack;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    const int64_t n0 = g0 * 8, n1 = std::min(N, g1 * 8);
+    const int64_t n0 = g0 * kPack, n1 = std::min(N, g1 * kPack);
     switch (qtype) {
       case kQ4_0: matmul_range<kQ4_0>(xp, M, K, wp, row_bytes, op, N, n0, n1); break;
       case kQ4_1: matmul_range<kQ4_1>(xp, M, K, wp, row_bytes, op, N, n0, n1); break;
