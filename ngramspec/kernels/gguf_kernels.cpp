@@ -139,6 +139,11 @@ void matmul_range(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_
       int64_t m = 0;
       for (; m + 4 <= M; m += 4)
         tile<Q, 4, NR4>(x + m * K, K, wn, nblocks, out + m * N + n, N);
+      // Three rows, not two plus one: each tile dequantises the weights once more.
+      if (M - m == 3) {
+        tile<Q, 3, NR4>(x + m * K, K, wn, nblocks, out + m * N + n, N);
+        m += 3;
+      }
       for (; m + 2 <= M; m += 2)
         tile<Q, 2, NR4>(x + m * K, K, wn, nblocks, out + m * N + n, N);
       for (; m < M; ++m)
