@@ -136,18 +136,21 @@ void matmul_range(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_
   } else {
     for (; n + NR4 <= n1; n += NR4) {
       const uint8_t* wn = packed_row(w, row_bytes, bb, n);
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4)
-        tile<Q, 4, NR4>(x + m * K, K, wn, nblocks, out + m * N + n, N);
-      // Three rows, not two plus one: each tile dequantises the weights once more.
-      if (M - m == 3) {
-        tile<Q, 3, NR4>(x + m * K, K, wn, nblocks, out + m * N + n, N);
-        m += 3;
+      // Each row tile dequantises the weights again, so the rows go in as few tiles as the
+      // registers allow (5 rows x 4 outputs: 20 accumulators and 10 row vectors), evenly split.
+      for (int64_t m = 0; m < M;) {
+        const int64_t tiles = (M - m + 4) / 5, rows = (M - m + tiles - 1) / tiles;
+        const float* xm = x + m * K;
+        float* om = out + m * N + n;
+        switch (rows) {
+          case 5: tile<Q, 5, NR4>(xm, K, wn, nblocks, om, N); break;
+          case 4: tile<Q, 4, NR4>(xm, K, wn, nblocks, om, N); break;
+          case 3: tile<Q, 3, NR4>(xm, K, wn, nblocks, om, N); break;
+          case 2: tile<Q, 2, NR4>(xm, K, wn, nblocks, om, N); break;
+          default: tile<Q, 1, NR4>(xm, K, wn, nblocks, om, N); break;
+        }
+        m += rows;
       }
-      for (; m + 2 <= M; m += 2)
-        tile<Q, 2, NR4>(x + m * K, K, wn, nblocks, out + m * N + n, N);
-      for (; m < M; ++m)
-        tile<Q, 1, NR4>(x + m * K, K, wn, nblocks, out + m * N + n, N);
     }
   }
   for (; n < n1; ++n)
