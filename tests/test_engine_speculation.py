@@ -364,3 +364,35 @@ def test_llm_takes_a_drafter_config_and_a_custom_drafter_apart(tiny_model_dirs):
     assert llm.engine.speculator.drafter.config.max_trie_depth == 5
     with pytest.raises(ValueError, match="speculation is off"):
         _tiny_llm(tiny_model_dirs, custom_drafter=RandomTreeDrafter([1, 2]))
+
+
+class _FailingDrafter(RandomTreeDrafter):
+    """Raises in every third propose: a drafter bug must cost speed, never a request."""
+
+    def __init__(self, candidates: list[int]) -> None:
+        super().__init__(candidates)
+        self.calls = 0
+
+    def propose(self, rids, budgets):
+        self.calls += 1
+        if self.calls % 3 == 0:
+            raise RuntimeError("drafter bug")
+        return super().propose(rids, budgets)
+
+
+def test_a_failing_drafter_costs_drafts_not_requests(tiny_model_dirs, caplog):
+    prompts = repetitive_prompts(4, 500, length=20, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    refs = _tiny_llm(tiny_model_dirs).generate(prompts, params)
+    drafter = _FailingDrafter(sorted({t for p in prompts for t in p}))
+    llm = _tiny_llm(tiny_model_dirs, speculative="ngram", verify_cost=FLAT_COST,
+                    custom_drafter=drafter)
+    with caplog.at_level("WARNING", logger="ngramspec.engine.engine"):
+        outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
+    assert all(o.finish_reason == "length" for o in outs)
+    stats = llm.engine.stats
+    assert stats.draft_failures == drafter.calls // 3 > 0
+    assert stats.num_draft_tokens > 0  # the other steps still drafted
+    assert sum("the drafter failed" in r.getMessage() for r in caplog.records) == 1
+    assert_no_kv_leak(llm.engine)

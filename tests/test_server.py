@@ -877,6 +877,7 @@ def test_metrics_report_the_traffic(live: Server) -> None:
                  "ngramspec_acceptance_length_count", "ngramspec_draft_time_seconds_count",
                  "ngramspec_verify_time_seconds_count", "ngramspec_spec_draft_tokens_total"):
         assert values[name] > 0, name
+    assert values["ngramspec_spec_draft_failures_total"] == 0.0  # exported, and none here
     assert values["ngramspec_kv_cache_usage_ratio"] == 0.0
     assert values["ngramspec_num_requests_waiting"] == 0.0
     assert values['ngramspec_requests_total{code="401",route="/v1/models"}'] >= 3

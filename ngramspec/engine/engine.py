@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -44,6 +45,9 @@ from ngramspec.models.loader import (
 from ngramspec.sampling_params import SamplingParams, choice_params
 from ngramspec.structured.grammar import GrammarCompiler
 from ngramspec.structured.matcher import GrammarViolation, RequestGrammar, apply_bitmask
+
+_log = logging.getLogger(__name__)
+DRAFTER_LOG_EVERY = 1000  # a failing drafter is logged on its 1st, 1001st, ... failure
 
 
 @dataclass(slots=True)
@@ -274,7 +278,7 @@ class LLMEngine:
             logits = self.runner.run(items)  # [rows, vocab]
             t2 = time.perf_counter()
             if self.speculator is not None and self.runner.asynchronous:
-                self.speculator.overlap()  # the accelerator is still computing `logits`
+                self._overlap()  # the accelerator is still computing `logits`
                 self.stats.overlapped_draft_time += time.perf_counter() - t2
         except Exception:
             self._fail(schedule)
@@ -293,8 +297,29 @@ class LLMEngine:
             return {}
         by_seq = {c.seq.seq_id: c for c in schedule.decodes}
         reserve = self.scheduler.reserve_tree
-        return {seq_id: tree for seq_id, tree in self.speculator.propose(schedule).items()
+        try:
+            proposed = self.speculator.propose(schedule)
+        except Exception as exc:  # any drafter bug: this step decodes plainly
+            self._drafter_failed(exc)
+            return {}
+        return {seq_id: tree for seq_id, tree in proposed.items()
                 if not tree.num_drafts or reserve(by_seq[seq_id], tree.num_drafts)}
+
+    def _overlap(self) -> None:
+        assert self.speculator is not None
+        try:
+            self.speculator.overlap()
+        except Exception as exc:  # any drafter bug: the next propose starts from what is left
+            self._drafter_failed(exc)
+
+    def _drafter_failed(self, exc: Exception) -> None:
+        """Drafts only save steps: a step without them is plain decoding, which is always right,
+        so a failing drafter costs speed, never a request. Logged with its traceback the first
+        time, then once in DRAFTER_LOG_EVERY failures."""
+        self.stats.draft_failures += 1
+        if self.stats.draft_failures % DRAFTER_LOG_EVERY == 1:
+            _log.warning("the drafter failed (%d so far); this step decodes without drafts",
+                         self.stats.draft_failures, exc_info=exc)
 
     def _fail(self, schedule: Schedule) -> None:
         """A step that failed before committing: free its slots, end its requests, keep serving."""

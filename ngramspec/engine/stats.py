@@ -21,6 +21,7 @@ class EngineStats(SpecCounters):
     device_time: float = 0.0
     # drafting done while the accelerator ran a step (Speculator.overlap): in step_time only
     overlapped_draft_time: float = 0.0
+    draft_failures: int = 0  # steps whose drafting raised and that decoded without drafts
     grammar_mask_time: float = 0.0  # computing and applying grammar masks (structured outputs)
     grammar_mask_rows: int = 0  # rows masked: one per tree node (root included)
 

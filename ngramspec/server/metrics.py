@@ -41,6 +41,9 @@ class ServerMetrics:
         self.draft_tokens = Counter(p + "spec_draft_tokens", "Draft tokens proposed", registry=r)
         self.accepted_tokens = Counter(p + "spec_accepted_tokens", "Draft tokens accepted",
                                        registry=r)
+        self.draft_failures = Counter(p + "spec_draft_failures",
+                                      "Steps whose drafting raised (they decoded without drafts)",
+                                      registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Fraction of KV slots in use",
                               registry=r)
         self.kv_free = Gauge(p + "kv_cache_free_slots", "Free KV slots", registry=r)
@@ -52,6 +55,7 @@ class ServerMetrics:
                                    registry=r)
         self._last_times = (0.0, 0.0)
         self._last_spec = (0, 0)
+        self._last_failures = 0
         self._verify_steps: dict[int, int] = {}  # seq_id -> verify steps seen (engine thread)
 
     # Runs on the engine thread after every step (prometheus_client is thread-safe).
@@ -65,6 +69,9 @@ class ServerMetrics:
         self.draft_tokens.inc(stats.num_draft_tokens - drafted)
         self.accepted_tokens.inc(stats.num_accepted_tokens - accepted)
         self._last_spec = (stats.num_draft_tokens, stats.num_accepted_tokens)
+        if stats.draft_failures > self._last_failures:
+            self.draft_failures.inc(stats.draft_failures - self._last_failures)
+            self._last_failures = stats.draft_failures
         for out in outputs:
             seq = out.seq
             steps = seq.spec.num_verify_steps
