@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ngramspec.kernels import KernelBuildError, _build_dir, _exclusive_build
+from ngramspec.kernels import KernelBuildError, _build_dir, _exclusive_build, _prune_stale_builds
 
 # Takes the flock, says so, then sleeps until killed.
 _HOLDER = """
@@ -59,3 +59,23 @@ def test_build_directory_is_keyed_by_the_cache_root(tmp_path, monkeypatch):
     first = _build_dir()
     assert first.parent == tmp_path / "kernels" and first.is_dir()
     assert _build_dir() == first  # same sources, same key
+
+
+def test_stale_build_directories_are_pruned_unless_in_use(tmp_path):
+    import os
+
+    root = tmp_path / "kernels"
+    current, fresh, stale, busy = (root / name for name in ("cur", "fresh", "stale", "busy"))
+    for d in (current, fresh, stale, busy):
+        d.mkdir(parents=True)
+        (d / "last_load").touch()
+    month_ago = time.time() - 30 * 24 * 3600
+    for d in (stale, busy):
+        os.utime(d / "last_load", (month_ago, month_ago))
+    holder = _hold(busy)  # a build or load in progress there
+    try:
+        assert _prune_stale_builds(current) == [stale]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(p.name for p in root.iterdir()) == ["busy", "cur", "fresh"]

@@ -35,6 +35,9 @@ class KernelBuildError(RuntimeError):
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # -fopenmp: at::parallel_for is inline OpenMP
 _LDFLAGS = ["-fopenmp"]  # the soname resolves to torch's libgomp
 _LOCK_TIMEOUT_S = 1800.0  # far beyond a build (~1-2 min on 2 cores): only a stuck builder waits this long
+# A build directory nobody loaded for this long (other revisions' sources, an old torch) is
+# removed by the next load of another: each is ~1 MB of objects, and every edit makes a new one.
+_STALE_AFTER_S = 14 * 24 * 3600.0
 
 
 def _build_dir() -> Path:
@@ -81,7 +84,7 @@ def cpu_kernels() -> ModuleType:
     try:  # the directory and its lock are part of the build: an unwritable cache falls back too
         directory = _build_dir()
         with _exclusive_build(directory):
-            return load(
+            module = load(
                 name="ngramspec_cpu",
                 sources=[str(s) for s in _SOURCES],
                 extra_cflags=_CFLAGS,
@@ -89,6 +92,9 @@ def cpu_kernels() -> ModuleType:
                 build_directory=str(directory),
                 verbose=False,
             )
+            (directory / "last_load").touch()
+        _prune_stale_builds(directory)
+        return module
     except KernelBuildError:  # the lock's own, already clear
         raise
     except Exception as e:  # compiler missing, ninja missing, a failed build, an unwritable cache
@@ -96,6 +102,31 @@ def cpu_kernels() -> ModuleType:
             f"cannot build the CPU kernels ({type(e).__name__}: {e}); they need a C++ "
             "compiler (g++) and the `ninja` package"
         ) from e
+
+
+def _prune_stale_builds(current: Path, stale_after_s: float = _STALE_AFTER_S) -> list[Path]:
+    """Remove the sibling build directories not loaded for `stale_after_s` whose flock is free
+    (a build or load in progress holds it); returns those removed. Best effort: a directory in
+    use by another user or process is left alone. A loaded library stays mapped after removal."""
+    import shutil
+
+    removed = []
+    now = time.time()
+    for other in current.parent.iterdir():
+        if other == current or not other.is_dir():
+            continue
+        marker = other / "last_load"
+        try:
+            last = (marker if marker.exists() else other).stat().st_mtime
+            if now - last < stale_after_s:
+                continue
+            with open(other / "build.flock", "a") as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                shutil.rmtree(other)
+            removed.append(other)
+        except OSError:  # held (BlockingIOError), someone else's, or already gone
+            continue
+    return removed
 
 
 @functools.cache
