@@ -143,6 +143,26 @@ def test_greedy_spec_equals_plain_in_faster_modes(mode):
         check_divergence(plain_llm, name, prompt, a.token_ids, b.token_ids)
 
 
+def test_decoder_stack_is_bitwise_the_python_layers():
+    """kernels/decoder_stack.cpp runs every layer in one call: prefill, decode and draft-tree
+    rows give bitwise the logprobs of the Python layers."""
+    llm = LLM(num_threads=2, quantization="gguf", speculative="ngram", verify_cost=FLAT_COST)
+    model = llm.engine.runner.model
+    stack = model.stack
+    assert stack is not None  # the bundled GGUF: one block type per fused matrix, no bias
+    prompts = [p for _, p, _ in spec_prompts()[:3]]
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=3, prompt_logprobs=3)
+    runs = []
+    for layers in (stack, None):
+        model.stack = layers
+        llm.engine.speculator.drafter.reset()  # drafts from the prompts only, both times
+        llm.engine.scheduler.flush_cache()  # every prompt prefilled by these layers
+        outs = llm.generate(prompts, params)
+        runs.append([(o.token_ids, o.logprobs, o.prompt_logprobs) for o in outs])
+    assert runs[0] == runs[1]
+    assert llm.engine.stats.num_accepted_tokens > 0
+
+
 # ----------------------------------------------------------------------------- hand-built cases
 
 class OracleDrafter:

@@ -25,7 +25,8 @@ from pathlib import Path
 from types import ModuleType
 
 _SOURCES = [Path(__file__).with_name(f) for f in (
-    "gguf_kernels.cpp", "amx_linear.cpp", "amx_dense.cpp", "attention.cpp", "layer_ops.cpp", "bindings.cpp")]
+    "gguf_kernels.cpp", "amx_linear.cpp", "amx_dense.cpp", "attention.cpp", "layer_ops.cpp", "decoder_stack.cpp",
+    "bindings.cpp")]
 
 
 class KernelBuildError(RuntimeError):

@@ -20,6 +20,14 @@ torch::Tensor add_rms_norm(torch::Tensor residual, const torch::Tensor& x, const
 void rope_(torch::Tensor qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads,
            int64_t head_dim);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
+std::vector<torch::Tensor> decoder_stack(
+    torch::Tensor x, const std::vector<torch::Tensor>& norms, const std::vector<torch::Tensor>& blocks,
+    const std::vector<int64_t>& qtypes, const std::vector<int64_t>& outputs,
+    const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& cos,
+    const torch::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
+    const torch::Tensor& slot_mapping, const torch::Tensor& seq_offsets, const torch::Tensor& prefix,
+    const torch::Tensor& prefix_offsets, const torch::Tensor& local,
+    const torch::Tensor& local_offsets, const torch::Tensor& causal, double scale);
 
 torch::Tensor amx_pack_bf16(const torch::Tensor& w);
 torch::Tensor amx_linear_bf16(const torch::Tensor& x, const torch::Tensor& w,
@@ -45,4 +53,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual) * weight");
   m.def("rope_", &rope_, "rotary embedding in place on the q and k heads of a fused qkv row");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up row");
+  m.def("decoder_stack", &decoder_stack,
+        "every decoder layer in one call (GGUF weights): the Python layers' kernel calls, in order");
 }

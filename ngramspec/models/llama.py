@@ -124,15 +124,28 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         # the fused CPU rope reads float32 cos/sin and rounds them to the activations' dtype
         rotary = self.rope.table(positions, torch.float32 if self.cpu_ops else x.dtype)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, rotary, self.attention, cache, meta)
+        if self.stack is not None:
+            x, residual = self.stack(x, rotary, cache, meta)
+        else:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(x, residual, rotary, self.attention, cache, meta)
         h, _ = self.norm(x[logits_index], residual[logits_index])
         return self.lm_head(h).float()
+
+    # Every layer in one kernel call (`use_decoder_stack`), or None: the Python layers.
+    stack: DecoderStack | None = None
 
     @property
     def cpu_ops(self) -> bool:
         return self.norm.ops is not None
+
+    def use_decoder_stack(self, ops: ModuleType) -> bool:
+        """Run the layers through `ops.decoder_stack` where it makes exactly the calls the
+        Python layers would (CPU kernels, GGUF linears without bias or AMX, no q/k norm, one
+        rank); whether it does. Call once the weights, kernels and all-reduce are in place."""
+        self.stack = DecoderStack.of(self, ops)
+        return self.stack is not None
 
     def use_cpu_kernels(self, ops: ModuleType) -> None:
         """Run norms, rotary and SiLU-mul through the fused CPU kernels (`ngramspec.kernels`)."""
@@ -193,3 +206,56 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens = GGUFEmbedding(embed)
         if head is not None:
             self.lm_head = GGUFLinear(head)
+
+
+class DecoderStack:
+    """The arguments of `decoder_stack` (kernels/decoder_stack.cpp) for one model, gathered once:
+    each layer's norm weights and packed GGUF matrices (qkv, o, gate_up, down)."""
+
+    def __init__(self, model: LlamaForCausalLM, ops: ModuleType) -> None:
+        cfg = model.cfg
+        self._ops = ops
+        self.norms = [w for layer in model.layers for w in (
+            layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
+        linears = [m for layer in model.layers for m in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)]
+        self.blocks = [m.blocks for m in linears]
+        self.qtypes = [m.qtype for m in linears]
+        self.outputs = [m.out_features for m in linears]
+        self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+        self.scale = cfg.head_dim ** -0.5
+
+    @classmethod
+    def of(cls, model: LlamaForCausalLM, ops: ModuleType) -> DecoderStack | None:
+        from ngramspec.layers.gguf_linear import GGUFLinear
+
+        def fits(m: nn.Module) -> bool:
+            return isinstance(m, GGUFLinear) and not m.uses_amx and m.bias is None
+
+        eps = model.cfg.rms_norm_eps
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if not (all(fits(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                           mlp.down_proj))
+                    and attn.q_norm is None and attn.ops is not None and attn.all_reduce is None
+                    and mlp.all_reduce is None and mlp.ops is not None
+                    and layer.input_layernorm.eps == eps == layer.post_attention_layernorm.eps):
+                return None
+        if not isinstance(model.attention, PagedAttention):
+            return None
+        return cls(model, ops)
+
+    def __call__(self, x: torch.Tensor, rotary: RotaryTable, cache: KVCache,
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [T, hidden] float32 -> (last MLP output, residual stream), each [T, hidden]
+        p = meta.paged
+        assert p is not None, "the decoder stack reads AttentionMetadata.paged"
+        t = x.shape[0]
+        cos, sin = rotary
+        heads, kv_heads, head_dim, eps = self.shape
+        return tuple(self._ops.decoder_stack(
+            x, self.norms, self.blocks, self.qtypes, self.outputs, cache.k, cache.v,
+            cos.view(t, -1), sin.view(t, -1), heads, kv_heads, head_dim, eps, meta.slot_mapping,
+            p.seq_offsets, p.prefix, p.prefix_offsets, p.local, p.local_offsets, p.causal,
+            self.scale))
