@@ -10,20 +10,7 @@
 
 #include <vector>
 
-torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t N,
-                          const c10::optional<torch::Tensor>& bias);
-torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                              torch::Tensor k_cache, torch::Tensor v_cache,
-                              const torch::Tensor& slot_mapping, const torch::Tensor& seq_offsets,
-                              const torch::Tensor& prefix, const torch::Tensor& prefix_offsets,
-                              const torch::Tensor& local, const torch::Tensor& local_offsets,
-                              const torch::Tensor& causal, double scale);
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
-torch::Tensor add_rms_norm(torch::Tensor residual, const torch::Tensor& x, const torch::Tensor& weight,
-                           double eps);
-void rope_(torch::Tensor qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads,
-           int64_t head_dim);
-torch::Tensor silu_mul(const torch::Tensor& gate_up);
+#include "ops.h"
 
 namespace {
 
