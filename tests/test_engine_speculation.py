@@ -163,6 +163,11 @@ def test_decoder_stack_is_bitwise_the_python_layers():
     assert llm.engine.stats.num_accepted_tokens > 0
 
 
+def test_decoder_stack_only_where_it_covers_the_model(llm):
+    """Dense float32 linears are not what the stack calls: the Python layers run them."""
+    assert llm.engine.runner.model.stack is None
+
+
 # ----------------------------------------------------------------------------- hand-built cases
 
 class OracleDrafter:

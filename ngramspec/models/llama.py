@@ -240,7 +240,8 @@ class DecoderStack:
                                            mlp.down_proj))
                     and attn.q_norm is None and attn.ops is not None and attn.all_reduce is None
                     and mlp.all_reduce is None and mlp.ops is not None
-                    and layer.input_layernorm.eps == eps == layer.post_attention_layernorm.eps):
+                    and all(norm.ops is not None and norm.eps == eps for norm in (
+                        layer.input_layernorm, layer.post_attention_layernorm))):
                 return None
         if not isinstance(model.attention, PagedAttention):
             return None
