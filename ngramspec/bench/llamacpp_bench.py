@@ -39,9 +39,15 @@ WORKLOADS = {"code_edit": ("code_edit.jsonl", 320, None),
              "spec_bench": ("spec_bench.jsonl", 96, "category")}
 
 
+def _stream_rows(streams: Path, workload: str) -> list[dict[str, Any]]:
+    """The workload's recorded streams, in file order."""
+    text = (streams / WORKLOADS[workload][0]).read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
 def load_prompts(streams: Path, workload: str, limit: int | None) -> list[tuple[str, list[int]]]:
-    name, _, keep = WORKLOADS[workload]
-    rows = [json.loads(line) for line in (streams / name).read_text().splitlines() if line.strip()]
+    keep = WORKLOADS[workload][2]
+    rows = _stream_rows(streams, workload)
     if keep == "category":
         seen: set[str] = set()
         rows = [r for r in rows if not (r["category"] in seen or seen.add(r["category"]))]
@@ -196,8 +202,7 @@ def concurrent_prompts(streams: Path, workload: str, count: int,
                        answered: set[str]) -> list[list[int]]:
     """`count` prompts of the workload's file: first those the one-at-a-time phase did not
     answer, then the others, then again from the start (code_edit has 6)."""
-    name = WORKLOADS[workload][0]
-    rows = [json.loads(line) for line in (streams / name).read_text().splitlines() if line.strip()]
+    rows = _stream_rows(streams, workload)
     rows.sort(key=lambda r: r["id"] in answered)  # stable: file order within each part
     return [rows[i % len(rows)]["prompt_ids"] for i in range(count)]
 

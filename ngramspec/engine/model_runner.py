@@ -94,8 +94,7 @@ class ModelRunner:
         if self.all_reduce is not None:
             model.use_all_reduce(self.all_reduce)
         pack_linears(model)
-        if self.attention == "cpu":
-            model.use_decoder_stack(cpu_kernels())
+        model.use_decoder_stack()
         return model
 
     def load_weights(self, state: dict[str, torch.Tensor], gguf_weights: dict | None = None

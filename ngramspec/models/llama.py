@@ -140,11 +140,12 @@ class LlamaForCausalLM(nn.Module):
     def cpu_ops(self) -> bool:
         return self.norm.ops is not None
 
-    def use_decoder_stack(self, ops: ModuleType) -> bool:
-        """Run the layers through `ops.decoder_stack` where it makes exactly the calls the
-        Python layers would (CPU kernels, GGUF linears without bias or AMX, no q/k norm, one
-        rank); whether it does. Call once the weights, kernels and all-reduce are in place."""
-        self.stack = DecoderStack.of(self, ops)
+    def use_decoder_stack(self) -> bool:
+        """Run the layers through the CPU kernels' `decoder_stack` where it makes exactly the
+        calls the Python layers would (`use_cpu_kernels` done, GGUF linears without bias or AMX,
+        no q/k norm, one rank); whether it does. Call once weights, kernels and all-reduce are
+        in place."""
+        self.stack = DecoderStack.of(self)
         return self.stack is not None
 
     def use_cpu_kernels(self, ops: ModuleType) -> None:
@@ -217,9 +218,7 @@ class DecoderStack:
         self._ops = ops
         self.norms = [w for layer in model.layers for w in (
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
-        linears = [m for layer in model.layers for m in (
-            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-            layer.mlp.down_proj)]
+        linears = [m for layer in model.layers for m in _matrices(layer)]
         self.blocks = [m.blocks for m in linears]
         self.qtypes = [m.qtype for m in linears]
         self.outputs = [m.out_features for m in linears]
@@ -227,23 +226,12 @@ class DecoderStack:
         self.scale = cfg.head_dim ** -0.5
 
     @classmethod
-    def of(cls, model: LlamaForCausalLM, ops: ModuleType) -> DecoderStack | None:
-        from ngramspec.layers.gguf_linear import GGUFLinear
-
-        def fits(m: nn.Module) -> bool:
-            return isinstance(m, GGUFLinear) and not m.uses_amx and m.bias is None
-
-        eps = model.cfg.rms_norm_eps
-        for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            if not (all(fits(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                           mlp.down_proj))
-                    and attn.q_norm is None and attn.ops is not None and attn.all_reduce is None
-                    and mlp.all_reduce is None and mlp.ops is not None
-                    and all(norm.ops is not None and norm.eps == eps for norm in (
-                        layer.input_layernorm, layer.post_attention_layernorm))):
-                return None
-        if not isinstance(model.attention, PagedAttention):
+    def of(cls, model: LlamaForCausalLM) -> DecoderStack | None:
+        """The stack of `model`, or None where it would not make the Python layers' calls."""
+        ops = model.norm.ops
+        if ops is None or not isinstance(model.attention, PagedAttention):
+            return None
+        if not all(_layer_fits(layer, model.cfg.rms_norm_eps) for layer in model.layers):
             return None
         return cls(model, ops)
 
@@ -260,3 +248,23 @@ class DecoderStack:
             cos.view(t, -1), sin.view(t, -1), heads, kv_heads, head_dim, eps, meta.slot_mapping,
             p.seq_offsets, p.prefix, p.prefix_offsets, p.local, p.local_offsets, p.causal,
             self.scale))
+
+
+def _matrices(layer: DecoderLayer) -> tuple[nn.Module, ...]:
+    """A layer's four matrices in `decoder_stack`'s order."""
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)
+
+
+def _layer_fits(layer: DecoderLayer, eps: float) -> bool:
+    """Whether the stack's calls are this layer's: fused CPU ops everywhere, one rank, no q/k
+    norm, and AVX-512 GGUF matrices without bias."""
+    from ngramspec.layers.gguf_linear import GGUFLinear
+
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    return (all(isinstance(m, GGUFLinear) and not m.uses_amx and m.bias is None
+                for m in _matrices(layer))
+            and attn.q_norm is None and attn.ops is not None and mlp.ops is not None
+            and attn.all_reduce is None and mlp.all_reduce is None
+            and all(n.ops is not None and n.eps == eps for n in norms))
