@@ -28,10 +28,6 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include "amx_tiles.h"
 #include "vec_math.h"
 
@@ -168,6 +164,104 @@ void chunk_partial(const Cache<T>& c, int64_t g, const float* const* qs, int nq,
     }
     for (int q = 0; q < nt; ++q)
       for (int d = 0; d < ND; ++d) _mm512_storeu_ps(out[q0 + q] + 2 + 16 * d, acc[q][d]);
+  }
+}
+
+#endif
+
+#if NGRAMSPEC_AVX2
+
+// The AVX-512 chunk_partial's arithmetic on AVX2, lane for lane (so the same numbers): a score
+// is the same FMA chain over the dims (keys in lanes, 8 at a time), exp8 is exp16's arithmetic,
+// the sums keep 16 lanes (ngramspec::V16) and reduce in _mm512_reduce_add_ps's order, and a
+// value sum is the same FMA chain over the keys. With 16 registers, one query per pass over the
+// values.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// 8 x 8 transpose: c[j] lane i = r[i] lane j.
+inline void transpose8(const __m256* r, __m256* c) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int m = 0; m < 2; ++m) {
+    u[4 * m + 0] = _mm256_shuffle_ps(t[4 * m], t[4 * m + 2], 0x44);
+    u[4 * m + 1] = _mm256_shuffle_ps(t[4 * m], t[4 * m + 2], 0xEE);
+    u[4 * m + 2] = _mm256_shuffle_ps(t[4 * m + 1], t[4 * m + 3], 0x44);
+    u[4 * m + 3] = _mm256_shuffle_ps(t[4 * m + 1], t[4 * m + 3], 0xEE);
+  }
+  for (int k = 0; k < 4; ++k) {
+    c[k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x20);
+    c[4 + k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x31);
+  }
+}
+
+// Lanes [0, n) all ones, the rest zero (n in [0, 8]).
+inline __m256 first_lanes(int64_t n) {
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), idx));
+}
+
+template <typename T, int ND>
+void chunk_partial(const Cache<T>& c, int64_t g, const float* const* qs, int nq, const KeyList& keys,
+                   int64_t i0, int64_t i1, float scale, float* const* out) {
+  constexpr int D = ND * 16;
+  alignas(32) float sc[kMaxQVector][kChunk];
+  alignas(32) float kt[D * 8];  // [D][8 keys]
+  const int64_t n = i1 - i0;
+  for (int64_t j0 = 0; j0 < n; j0 += 8) {
+    const int64_t nk = std::min<int64_t>(8, n - j0);
+    for (int d = 0; d < 2 * ND; ++d) {
+      __m256 rows[8], cols[8];
+      for (int j = 0; j < 8; ++j)
+        rows[j] = j < nk ? load8(c.krow(keys.slot(i0 + j0 + j), g) + 8 * d) : _mm256_setzero_ps();
+      transpose8(rows, cols);
+      for (int e = 0; e < 8; ++e) _mm256_store_ps(kt + (8 * d + e) * 8, cols[e]);
+    }
+    __m256 acc[kMaxQVector];
+    for (int q = 0; q < nq; ++q) acc[q] = _mm256_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+      const __m256 kd = _mm256_load_ps(kt + d * 8);
+      for (int q = 0; q < nq; ++q) acc[q] = _mm256_fmadd_ps(_mm256_set1_ps(qs[q][d]), kd, acc[q]);
+    }
+    for (int q = 0; q < nq; ++q) _mm256_store_ps(sc[q] + j0, _mm256_mul_ps(acc[q], _mm256_set1_ps(scale)));
+  }
+  for (int q = 0; q < nq; ++q) {  // softmax numerators and sums, per query
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+      const __m256 s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_load_ps(sc[q] + j0),
+                                        first_lanes(n - j0));
+      vmax = _mm256_max_ps(vmax, s);
+    }
+    const __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(vmax, 1), _mm256_castps256_ps128(vmax));
+    const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float mx = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1)));
+    const __m256 vmx = _mm256_set1_ps(mx);
+    ngramspec::V16 vsum{_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+      const __m256 e = _mm256_and_ps(first_lanes(n - j0),
+                                     ngramspec::exp8(_mm256_sub_ps(_mm256_load_ps(sc[q] + j0), vmx)));
+      _mm256_store_ps(sc[q] + j0, e);
+      __m256& half = (j0 / 8) % 2 ? vsum.b : vsum.a;  // key j0 + l is 16-lane lane (j0 % 16) + l
+      half = _mm256_add_ps(half, e);
+    }
+    out[q][0] = mx;
+    out[q][1] = ngramspec::reduce_add16(vsum);
+  }
+  for (int q = 0; q < nq; ++q) {
+    __m256 acc[2 * ND];
+    for (int d = 0; d < 2 * ND; ++d) acc[d] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const T* v = c.vrow(keys.slot(i0 + j), g);
+      const __m256 p = _mm256_set1_ps(sc[q][j]);
+      for (int d = 0; d < 2 * ND; ++d) acc[d] = _mm256_fmadd_ps(p, load8(v + 8 * d), acc[d]);
+    }
+    for (int d = 0; d < 2 * ND; ++d) _mm256_storeu_ps(out[q] + 2 + 8 * d, acc[d]);
   }
 }
 
@@ -417,7 +511,7 @@ void partials(const Cache<T>& c, int64_t g, const float* const* qs, const int64_
 #endif
   (void)lens;
   (void)amx;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || NGRAMSPEC_AVX2
   switch (c.D) {
     case 64: return chunk_partial<T, 4>(c, g, qs, nq, keys, i0, i1, scale, out);
     case 128: return chunk_partial<T, 8>(c, g, qs, nq, keys, i0, i1, scale, out);

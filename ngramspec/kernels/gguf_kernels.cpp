@@ -24,11 +24,12 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 #include "gguf_blocks.h"
+#include "vec_math.h"
 
 namespace {
 
@@ -158,7 +159,93 @@ void matmul_range(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_
       tile<Q, 1, 1>(x + m * K, K, packed_row(w, row_bytes, bb, n), nblocks, out + m * N + n, N);
 }
 
-#else  // no AVX-512: portable scalar path, same accumulation shape (16 lanes, then reduce)
+#elif NGRAMSPEC_AVX2
+
+// AVX2 (+FMA, F16C): the AVX-512 path's arithmetic lane for lane, each 16-lane vector held as
+// two 8-lane halves (ngramspec::V16), so both paths give bitwise the same outputs. With 16
+// registers instead of 32 the tiles are smaller: 4 outputs for a decode row (8 accumulators, 4
+// for a dequantised block, x read from memory), up to 4 rows x 1 output for several rows.
+using ngramspec::V16;
+
+template <int64_t Q>
+inline void dequant(const uint8_t* b, V16& lo, V16& hi) {
+  if constexpr (Q == kQ8_0) {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(b)));
+    auto q8 = [&](int off) {
+      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + off));
+      return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), d);
+    };
+    lo = {q8(2), q8(10)};
+    hi = {q8(18), q8(26)};
+  } else {
+    const float df = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b));
+    const float mf = Q == kQ4_1 ? _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 2)) : -8.0f * df;
+    const __m256 d = _mm256_set1_ps(df), m = _mm256_set1_ps(mf);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + q4_offset(Q)));
+    const __m256i b0 = _mm256_cvtepu8_epi32(raw);                     // bytes 0..7
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8));  // bytes 8..15
+    const __m256i low = _mm256_set1_epi32(0x0F);
+    auto fma = [&](__m256i q) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m); };
+    lo = {fma(_mm256_and_si256(b0, low)), fma(_mm256_and_si256(b1, low))};
+    hi = {fma(_mm256_srli_epi32(b0, 4)), fma(_mm256_srli_epi32(b1, 4))};
+  }
+}
+
+template <int64_t Q, int MR, int NR>
+void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t nblocks, float* out, int64_t ldo) {
+  constexpr int64_t bb = block_bytes_of(Q);
+  V16 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR; ++c) acc[r][c] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    for (int c = 0; c < NR; ++c) {
+      V16 wlo, whi;
+      dequant<Q>(w + c * bb + blk * kPack * bb, wlo, whi);
+      for (int r = 0; r < MR; ++r) {
+        const float* xr = x + r * ldx + blk * kBlock;
+        V16& a = acc[r][c];
+        a.a = _mm256_fmadd_ps(_mm256_loadu_ps(xr), wlo.a, a.a);
+        a.b = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), wlo.b, a.b);
+        a.a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), whi.a, a.a);
+        a.b = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), whi.b, a.b);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR; ++c) out[r * ldo + c] = ngramspec::reduce_add16(acc[r][c]);
+}
+
+template <int64_t Q>
+void matmul_range(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
+                  float* out, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t nblocks = K / kBlock, bb = block_bytes_of(Q);
+  constexpr int NR = 4, kMaxRows = 4;
+  int64_t n = n0;
+  if (M == 1) {
+    for (; n + NR <= n1; n += NR)
+      tile<Q, 1, NR>(x, K, packed_row(w, row_bytes, bb, n), nblocks, out + n, N);
+  } else {
+    for (; n < n1; ++n) {
+      const uint8_t* wn = packed_row(w, row_bytes, bb, n);
+      for (int64_t m = 0; m < M;) {  // rows evenly split into as few tiles as the registers allow
+        const int64_t tiles = (M - m + kMaxRows - 1) / kMaxRows, rows = (M - m + tiles - 1) / tiles;
+        const float* xm = x + m * K;
+        float* om = out + m * N + n;
+        switch (rows) {
+          case 4: tile<Q, 4, 1>(xm, K, wn, nblocks, om, N); break;
+          case 3: tile<Q, 3, 1>(xm, K, wn, nblocks, om, N); break;
+          case 2: tile<Q, 2, 1>(xm, K, wn, nblocks, om, N); break;
+          default: tile<Q, 1, 1>(xm, K, wn, nblocks, om, N); break;
+        }
+        m += rows;
+      }
+    }
+  }
+  for (; n < n1; ++n)
+    tile<Q, 1, 1>(x, K, packed_row(w, row_bytes, bb, n), nblocks, out + n, N);
+}
+
+#else  // neither AVX-512 nor AVX2: portable scalar path, same accumulation shape (16 lanes, then reduce)
 
 template <int64_t Q>
 void matmul_range(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,

@@ -125,6 +125,18 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
           _mm512_storeu_ps(o + i, _mm512_mul_ps(silu, _mm512_loadu_ps(g + inter + i)));
         }
       }
+#elif NGRAMSPEC_AVX2
+      if constexpr (std::is_same_v<scalar_t, float>) {  // the same arithmetic, 8 lanes
+        const __m256 one = _mm256_set1_ps(1.0f);
+        const float* gf = reinterpret_cast<const float*>(g);  // scalar_t is float here
+        float* of = reinterpret_cast<float*>(o);
+        for (; i + 8 <= inter; i += 8) {
+          const __m256 x = _mm256_loadu_ps(gf + i);
+          const __m256 e = ngramspec::exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+          const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(one, e));
+          _mm256_storeu_ps(of + i, _mm256_mul_ps(silu, _mm256_loadu_ps(gf + inter + i)));
+        }
+      }
 #endif
       for (; i < inter; ++i) {
         const float x = f(g[i]);

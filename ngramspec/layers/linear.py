@@ -25,7 +25,11 @@ PACK_ROWS_HINT = 16
 
 
 def _onednn_ok(t: torch.Tensor) -> bool:
-    return t.is_cpu and t.dtype in _ONEDNN_DTYPES and torch.backends.mkldnn.is_available()
+    if not (t.is_cpu and t.dtype in _ONEDNN_DTYPES and torch.backends.mkldnn.is_available()):
+        return False
+    # oneDNN's bf16 inner product needs AVX-512 (BF16 or at least core); on an AVX2-only CPU
+    # (e.g. AMD Zen 2/3) it cannot create the primitive, so bf16 goes through F.linear there.
+    return t.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _amx_bf16_kernels():
