@@ -13,6 +13,7 @@ from typing import Any
 
 from ngramspec.bench import WEIGHT_MODES, emit
 from ngramspec.engine.cost_model import time_forward
+from ngramspec.kernels import kernel_path
 from ngramspec.llm import LLM
 from ngramspec.sampling_params import SamplingParams
 
@@ -55,17 +56,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rows[ctx] = {"decode_ms": decode_ms(llm, ctx, args.tokens, args.repeats),
                          "verify_rel": {q: verify[q] / verify[1] for q in QUERY_TOKENS}}
         out[mode] = rows
-    return out
+    return {"kernels": kernel_path(), "modes": out}
 
 
 def print_results(r: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="plain decode ms/token and verify cost (q tokens / 1 token) by context")
+    table = Table(title="plain decode ms/token and verify cost (q tokens / 1 token) by context, "
+                        f"CPU kernels: {r['kernels']}")
     for col in ("mode", "context", "decode ms/token", *(f"q={q}" for q in QUERY_TOKENS[1:])):
         table.add_column(col, justify="right")
-    for mode, rows in r.items():
+    for mode, rows in r["modes"].items():
         for ctx, row in rows.items():
             table.add_row(mode, str(ctx), f"{row['decode_ms']:.1f}",
                           *(f"{row['verify_rel'][q]:.2f}x" for q in QUERY_TOKENS[1:]))

@@ -29,6 +29,7 @@ from ngramspec.bench import WEIGHT_MODES, emit
 from ngramspec.bench.context_bench import QUERY_TOKENS, decode_ms, synthetic_prompt
 from ngramspec.bench.quality_bench import matching_prefix
 from ngramspec.engine.cost_model import time_forward
+from ngramspec.kernels import kernel_path
 from ngramspec.llm import LLM
 from ngramspec.models.loader import gguf_file
 from ngramspec.sampling_params import SamplingParams
@@ -264,6 +265,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _ours(engines[name], warm, 8)
     engines["llama.cpp"].generate(warm, 8, eos)
     result: dict[str, Any] = {"mode": args.mode, "threads": args.threads, "model": path.name,
+                              "kernels": kernel_path(),
                               "workloads": {}}
     for workload in args.workloads:
         prompts = load_prompts(Path(args.streams), workload, args.limit)
@@ -284,7 +286,8 @@ def print_results(r: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console(width=120)
-    table = Table(title=f"whole requests, greedy, {r['threads']} threads, ours in {r['mode']} mode")
+    table = Table(title=f"whole requests, greedy, {r['threads']} threads, ours in {r['mode']} mode "
+                        f"(CPU kernels: {r.get('kernels', '?')})")
     for col in ("workload", "llama.cpp tok/s", "ours plain", "ours spec", "spec == plain"):
         table.add_column(col, justify="right")
     for name, w in r["workloads"].items():

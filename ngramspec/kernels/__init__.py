@@ -79,7 +79,7 @@ def _exclusive_build(directory: Path, timeout_s: float = _LOCK_TIMEOUT_S) -> Ite
 
 @functools.cache
 def cpu_kernels() -> ModuleType:
-    """The compiled kernel module (gguf_linear, gguf_rows, paged_attention, has_avx512)."""
+    """The compiled kernel module (gguf_linear, gguf_rows, paged_attention, vector_isa)."""
     from torch.utils.cpp_extension import load
 
     try:  # the directory and its lock are part of the build: an unwritable cache falls back too
@@ -139,3 +139,9 @@ def kernels_available() -> bool:
         warnings.warn(f"{e}; falling back to PyTorch ops (slower)", RuntimeWarning, stacklevel=2)
         return False
     return True
+
+
+def kernel_path() -> str:
+    """Which CPU kernels run here, for benchmark reports: "avx512", "avx2", "scalar" (compiled
+    without either vector path), or "none" (no compiler: PyTorch ops)."""
+    return cpu_kernels().vector_isa() if kernels_available() else "none"

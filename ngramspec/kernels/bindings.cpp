@@ -8,7 +8,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_pack", &gguf_pack, "GGUF blocks in groups of 8 rows with interleaved blocks");
   m.def("gguf_linear", &gguf_linear, "x @ dequant(w).T from packed GGUF blocks (fp32 accumulate)");
   m.def("gguf_rows", &gguf_rows, "dequantised rows of a GGUF matrix");
-  m.def("has_avx512", &has_avx512, "whether the vector paths were compiled");
+  m.def("vector_isa", &vector_isa, "the vector path compiled for this CPU: avx512, avx2 or scalar");
   m.def("paged_attention", &paged_attention,
         "attention over the KV cache in place: per-sequence prefix + per-token visible slots");
   m.def("amx_pack", &amx_pack, "GGUF blocks re-ordered into AMX tiles (same bits)");

@@ -339,10 +339,13 @@ torch::Tensor gguf_rows(const torch::Tensor& w, const torch::Tensor& ids, int64_
   return out;
 }
 
-bool has_avx512() {
+// Which vector path the kernels were compiled with for this CPU: "avx512", "avx2" or "scalar".
+std::string vector_isa() {
 #if defined(__AVX512F__)
-  return true;
+  return "avx512";
+#elif NGRAMSPEC_AVX2
+  return "avx2";
 #else
-  return false;
+  return "scalar";
 #endif
 }

@@ -9,7 +9,7 @@ torch::Tensor gguf_pack(const torch::Tensor& w, int64_t qtype, int64_t K);
 torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t N,
                           const c10::optional<torch::Tensor>& bias);
 torch::Tensor gguf_rows(const torch::Tensor& w, const torch::Tensor& ids, int64_t qtype, int64_t K);
-bool has_avx512();
+std::string vector_isa();
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                               torch::Tensor k_cache, torch::Tensor v_cache,
                               const torch::Tensor& slot_mapping, const torch::Tensor& seq_offsets,
