@@ -27,16 +27,6 @@ def _weight(qtype, out_features: int, in_features: int, seed: int) -> tuple[GGUF
     return GGUFWeight(torch.from_numpy(blocks), int(qtype), in_features), dense
 
 
-def _int8_blocks(x: torch.Tensor) -> torch.Tensor:
-    """x as the AVX2 kernel reads it: each 32-element block rounded to int8 steps of max|x| / 127
-    (llama.cpp's activation quantisation), in float64."""
-    blocks = x.reshape(-1, 32)
-    amax = blocks.abs().amax(dim=1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))  # float32, as the kernel
-    q = torch.round(blocks * inv)  # half to even, as nearbyint
-    return (q.double() * (amax / 127.0).double()).reshape(x.shape)
-
-
 AMX = [False, True] if cpu_kernels().amx_available() else [False]
 
 
@@ -71,14 +61,8 @@ def test_linear_matches_dequantised_matmul(qtype, rows, use_amx):
     layer = GGUFLinear(weight, bias, use_amx=use_amx)
     assert layer.uses_amx == use_amx
     out = layer(x)
-    # the AMX kernel multiplies bf16-rounded activations by the exact weights; the AVX2 kernel
-    # int8 blocks of them
-    if use_amx:
-        xr = x.bfloat16().double()
-    elif cpu_kernels().vector_isa() == "avx2":
-        xr = _int8_blocks(x)
-    else:
-        xr = x.double()
+    # the AMX kernel multiplies bf16-rounded activations by the exact weights
+    xr = x.bfloat16().double() if use_amx else x.double()
     ref = xr @ dense.T + bias.double()
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
 

@@ -9,8 +9,7 @@
 // Each output is sum_k x[k] * w[k] with w dequantised to fp32 and accumulated in fp32 in a fixed
 // order (16 lanes, block by block along K, then one lane reduction), whatever the number of rows,
 // the tile shape or the thread that computes it: a row's result is bitwise the same alone or in a
-// batch, which is what keeps speculative verification lossless against plain decoding. (On a CPU
-// with AVX2 but no AVX-512 the activations are int8 blocks instead; see the AVX2 section.)
+// batch, which is what keeps speculative verification lossless against plain decoding.
 //
 // Layout: the matrix is packed once (GGUFLinear) into groups of 8 output rows whose blocks are
 // interleaved, [N / 8][K / 32][8][block bytes] (rows zero-padded to a multiple of 8), so the
@@ -22,11 +21,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -74,6 +70,13 @@ constexpr int64_t kPack = 8;  // output rows whose blocks are interleaved (see t
 // Where output n's first block lies in the packed layout; its block b is kPack * bb further each.
 inline const uint8_t* packed_row(const uint8_t* w, int64_t row_bytes, int64_t bb, int64_t n) {
   return w + (n / kPack) * kPack * row_bytes + (n % kPack) * bb;
+}
+
+// Rows in the next tile when `left` rows remain and a tile holds at most `most`: the rows split
+// evenly into as few tiles as cover them (each tile dequantises the weights again).
+inline int64_t tile_rows(int64_t left, int64_t most) {
+  const int64_t tiles = (left + most - 1) / most;
+  return (left + tiles - 1) / tiles;
 }
 
 #if defined(__AVX512F__)
@@ -144,7 +147,7 @@ void matmul_range(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_
       // Each row tile dequantises the weights again, so the rows go in as few tiles as the
       // registers allow (5 rows x 4 outputs: 20 accumulators and 10 row vectors), evenly split.
       for (int64_t m = 0; m < M;) {
-        const int64_t tiles = (M - m + 4) / 5, rows = (M - m + tiles - 1) / tiles;
+        const int64_t rows = tile_rows(M - m, 5);
         const float* xm = x + m * K;
         float* om = out + m * N + n;
         switch (rows) {
@@ -165,129 +168,95 @@ void matmul_range(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_
 
 #elif NGRAMSPEC_AVX2
 
-// AVX2 (+FMA, F16C; e.g. AMD Zen 2/3): activations quantised to int8 per 32-element block, as
-// llama.cpp's CPU path does for these weight types, and integer block dot products
-// (maddubs + madd). Why: dequantising every weight to fp32 costs ~27 vector ops a block, which
-// kept a decode row at ~2.5x the memory-bound time on a Zen 2; the integer dot is ~12. It
-// changes the numbers against fp32 activations (each x block rounded to 8 bits, as llama.cpp
-// rounds it), not the row invariance: every row is quantised alone and each output's sum runs
-// in one fixed order (8 lanes block by block, then one reduction, then the Q4_1 min terms).
+// AVX2 (+FMA, F16C): the AVX-512 path's arithmetic lane for lane, each 16-lane vector held as
+// two 8-lane halves (ngramspec::V16), so both paths give bitwise the same outputs. With 16
+// registers instead of 32 the tiles are smaller: 4 outputs for a decode row (8 accumulators, 4
+// for a dequantised block, x read from memory), up to 6 rows x 1 output for several rows (more
+// spill: one 8-row tile took 1.12x two 4-row tiles on a Zen 2).
+// Tried and not kept: llama.cpp's int8 activation blocks with integer block dots (maddubs +
+// madd). Plain decode on a 2-core Zen 2 went 12.0 -> 8.8 ms/token, but a verify row cost more
+// relative to it (q = 2: 1.39x -> 1.5-1.7x one token), greedy argmax agreement with float32 fell
+// from 100% to 97.5%, and the demo's cost-sized trees kept almost no drafts.
+using ngramspec::V16;
 
-// Rows of x as int8 blocks: q[M][K] with, per (row, block), scale d and d * sum(q).
-struct Q8Rows {
-  std::vector<int8_t> q;
-  std::vector<float> d, s;
-  int64_t nblocks;
-};
-
-Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
-  const int64_t nb = K / kBlock;
-  Q8Rows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb), nb};
-  for (int64_t i = 0; i < M * nb; ++i) {
-    const float* xb = x + i * kBlock;
-    float amax = 0.0f;
-    for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
-    const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int sum = 0;
-    for (int k = 0; k < kBlock; ++k) {
-      const int v = static_cast<int>(std::nearbyint(xb[k] * id));  // |v| <= 127
-      r.q[i * kBlock + k] = static_cast<int8_t>(v);
-      sum += v;
-    }
-    r.d[i] = d;
-    r.s[i] = d * static_cast<float>(sum);
-  }
-  return r;
-}
-
-// One weight block's 32 values as bytes in element order: unsigned nibbles (Q4_1), or signed
-// (Q4_0: q - 8; Q8_0: q).
 template <int64_t Q>
-inline __m256i weight_bytes(const uint8_t* b) {
-  if constexpr (Q == kQ8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + q4_offset(Q)));
-  const __m128i low = _mm_set1_epi8(0x0F);
-  const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
-  if constexpr (Q == kQ4_0) return _mm256_sub_epi8(q, _mm256_set1_epi8(8));
-  return q;
-}
-
-// sum_k w[k] * x[k] of one block as 8 int32 lanes (pairs of pairs), x signed bytes in [-127, 127].
-template <int64_t Q>
-inline __m256i block_dot(__m256i w, __m256i x) {
-  __m256i p;
-  if constexpr (Q == kQ4_1) {
-    p = _mm256_maddubs_epi16(w, x);  // w in [0, 15]: no saturation
-  } else {  // signed w: |w| times x with w's sign (|w| <= 128, so pairs stay below 2^15)
-    p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+inline void dequant(const uint8_t* b, V16& lo, V16& hi) {
+  if constexpr (Q == kQ8_0) {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(b)));
+    auto q8 = [&](int off) {
+      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + off));
+      return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), d);
+    };
+    lo = {q8(2), q8(10)};
+    hi = {q8(18), q8(26)};
+  } else {
+    const float df = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b));
+    const float mf = Q == kQ4_1 ? _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 2)) : -8.0f * df;
+    const __m256 d = _mm256_set1_ps(df), m = _mm256_set1_ps(mf);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + q4_offset(Q)));
+    const __m256i b0 = _mm256_cvtepu8_epi32(raw);                     // bytes 0..7
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8));  // bytes 8..15
+    const __m256i low = _mm256_set1_epi32(0x0F);
+    auto fma = [&](__m256i q) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m); };
+    lo = {fma(_mm256_and_si256(b0, low)), fma(_mm256_and_si256(b1, low))};
+    hi = {fma(_mm256_srli_epi32(b0, 4)), fma(_mm256_srli_epi32(b1, 4))};
   }
-  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
-inline float reduce_add8(__m256 v) {
-  const __m128 h = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
-}
-
-// out[MR rows, NR outputs] for one tile; the packed layout as on the AVX-512 path.
 template <int64_t Q, int MR, int NR>
-void tile(const Q8Rows& x, int64_t m0, const uint8_t* w, int64_t nblocks, float* out, int64_t ldo) {
+void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t nblocks, float* out, int64_t ldo) {
   constexpr int64_t bb = block_bytes_of(Q);
-  __m256 acc[MR][NR];
-  float mins[MR][NR];  // Q4_1: sum over blocks of m * d_x * sum(q_x)
+  V16 acc[MR][NR];
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NR; ++c) {
-      acc[r][c] = _mm256_setzero_ps();
-      mins[r][c] = 0.0f;
-    }
+    for (int c = 0; c < NR; ++c) acc[r][c] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     for (int c = 0; c < NR; ++c) {
-      const uint8_t* b = w + c * bb + blk * kPack * bb;
-      const __m256i wq = weight_bytes<Q>(b);
-      const float dw = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b));
+      V16 wlo, whi;
+      dequant<Q>(w + c * bb + blk * kPack * bb, wlo, whi);
       for (int r = 0; r < MR; ++r) {
-        const int64_t xb = (m0 + r) * nblocks + blk;
-        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + xb * kBlock));
-        const __m256 dot = _mm256_cvtepi32_ps(block_dot<Q>(wq, xq));
-        acc[r][c] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw * x.d[xb]), acc[r][c]);
-        if constexpr (Q == kQ4_1)
-          mins[r][c] = std::fma(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 2)), x.s[xb], mins[r][c]);
+        const float* xr = x + r * ldx + blk * kBlock;
+        V16& a = acc[r][c];
+        a.a = _mm256_fmadd_ps(_mm256_loadu_ps(xr), wlo.a, a.a);
+        a.b = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), wlo.b, a.b);
+        a.a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), whi.a, a.a);
+        a.b = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), whi.b, a.b);
       }
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NR; ++c) out[r * ldo + c] = reduce_add8(acc[r][c]) + mins[r][c];
+    for (int c = 0; c < NR; ++c) out[r * ldo + c] = ngramspec::reduce_add16(acc[r][c]);
 }
 
 template <int64_t Q>
-void matmul_range(const Q8Rows& x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
+void matmul_range(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
                   float* out, int64_t N, int64_t n0, int64_t n1) {
   const int64_t nblocks = K / kBlock, bb = block_bytes_of(Q);
-  constexpr int NR = 8, kMaxRows = 6;
+  constexpr int NR = 4, kMaxRows = 6;
   int64_t n = n0;
   if (M == 1) {
     for (; n + NR <= n1; n += NR)
-      tile<Q, 1, NR>(x, 0, packed_row(w, row_bytes, bb, n), nblocks, out + n, N);
+      tile<Q, 1, NR>(x, K, packed_row(w, row_bytes, bb, n), nblocks, out + n, N);
   } else {
     for (; n < n1; ++n) {
       const uint8_t* wn = packed_row(w, row_bytes, bb, n);
       for (int64_t m = 0; m < M;) {  // rows evenly split into as few tiles as the registers allow
-        const int64_t tiles = (M - m + kMaxRows - 1) / kMaxRows, rows = (M - m + tiles - 1) / tiles;
+        const int64_t rows = tile_rows(M - m, kMaxRows);
+        const float* xm = x + m * K;
         float* om = out + m * N + n;
         switch (rows) {
-          case 6: tile<Q, 6, 1>(x, m, wn, nblocks, om, N); break;
-          case 5: tile<Q, 5, 1>(x, m, wn, nblocks, om, N); break;
-          case 4: tile<Q, 4, 1>(x, m, wn, nblocks, om, N); break;
-          case 3: tile<Q, 3, 1>(x, m, wn, nblocks, om, N); break;
-          case 2: tile<Q, 2, 1>(x, m, wn, nblocks, om, N); break;
-          default: tile<Q, 1, 1>(x, m, wn, nblocks, om, N); break;
+          case 6: tile<Q, 6, 1>(xm, K, wn, nblocks, om, N); break;
+          case 5: tile<Q, 5, 1>(xm, K, wn, nblocks, om, N); break;
+          case 4: tile<Q, 4, 1>(xm, K, wn, nblocks, om, N); break;
+          case 3: tile<Q, 3, 1>(xm, K, wn, nblocks, om, N); break;
+          case 2: tile<Q, 2, 1>(xm, K, wn, nblocks, om, N); break;
+          default: tile<Q, 1, 1>(xm, K, wn, nblocks, om, N); break;
         }
         m += rows;
       }
     }
   }
-  for (; n < n1; ++n) tile<Q, 1, 1>(x, 0, packed_row(w, row_bytes, bb, n), nblocks, out + n, N);
+  for (; n < n1; ++n)
+    tile<Q, 1, 1>(x, K, packed_row(w, row_bytes, bb, n), nblocks, out + n, N);
 }
 
 #else  // neither AVX-512 nor AVX2: portable scalar path, same accumulation shape (16 lanes, then reduce)
@@ -348,11 +317,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& w, int64_
   const torch::Tensor xc = x.contiguous();
   torch::Tensor out = torch::empty({M, N}, x.options());
   if (M == 0) return out;
-#if NGRAMSPEC_AVX2
-  const Q8Rows xp = quantize_rows(xc.data_ptr<float>(), M, K);
-#else
   const float* xp = xc.data_ptr<float>();
-#endif
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t row_bytes = w.size(1);
