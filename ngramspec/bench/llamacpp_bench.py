@@ -287,7 +287,7 @@ def print_results(r: dict[str, Any]) -> None:
 
     console = Console(width=120)
     table = Table(title=f"whole requests, greedy, {r['threads']} threads, ours in {r['mode']} mode "
-                        f"(CPU kernels: {r.get('kernels', '?')})")
+                        f"(CPU kernels: {r['kernels']})")
     for col in ("workload", "llama.cpp tok/s", "ours plain", "ours spec", "spec == plain"):
         table.add_column(col, justify="right")
     for name, w in r["workloads"].items():

@@ -15,6 +15,8 @@ speculation drifts from bf16 plain decoding; the tile kernel computes each row a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,12 +26,18 @@ _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 PACK_ROWS_HINT = 16
 
 
+@functools.cache
+def _onednn_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes oneDNN's inner product runs here (asked once: `forward` checks every call).
+    bf16 needs AVX-512; on an AVX2-only CPU (e.g. AMD Zen 2/3) oneDNN cannot create the
+    primitive, so bf16 goes through F.linear there."""
+    if not torch.backends.mkldnn.is_available():
+        return ()
+    return _ONEDNN_DTYPES if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+
+
 def _onednn_ok(t: torch.Tensor) -> bool:
-    if not (t.is_cpu and t.dtype in _ONEDNN_DTYPES and torch.backends.mkldnn.is_available()):
-        return False
-    # oneDNN's bf16 inner product needs AVX-512 (BF16 or at least core); on an AVX2-only CPU
-    # (e.g. AMD Zen 2/3) it cannot create the primitive, so bf16 goes through F.linear there.
-    return t.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return t.is_cpu and t.dtype in _onednn_dtypes()
 
 
 def _amx_bf16_kernels():

@@ -140,13 +140,12 @@ class LlamaForCausalLM(nn.Module):
     def cpu_ops(self) -> bool:
         return self.norm.ops is not None
 
-    def use_decoder_stack(self) -> bool:
+    def use_decoder_stack(self) -> None:
         """Run the layers through the CPU kernels' `decoder_stack` where it makes exactly the
         calls the Python layers would (`use_cpu_kernels` done, GGUF linears without bias or AMX,
-        no q/k norm, one rank); whether it does. Call once weights, kernels and all-reduce are
-        in place."""
+        no q/k norm, one rank); `stack` says whether it does. Call once weights, kernels and
+        all-reduce are in place."""
         self.stack = DecoderStack.of(self)
-        return self.stack is not None
 
     def use_cpu_kernels(self, ops: ModuleType) -> None:
         """Run norms, rotary and SiLU-mul through the fused CPU kernels (`ngramspec.kernels`)."""
@@ -258,7 +257,7 @@ def _matrices(layer: DecoderLayer) -> tuple[nn.Module, ...]:
 
 def _layer_fits(layer: DecoderLayer, eps: float) -> bool:
     """Whether the stack's calls are this layer's: fused CPU ops everywhere, one rank, no q/k
-    norm, and AVX-512 GGUF matrices without bias."""
+    norm, and GGUF matrices on the vector kernels (not AMX tiles) without bias."""
     from ngramspec.layers.gguf_linear import GGUFLinear
 
     attn, mlp = layer.self_attn, layer.mlp
