@@ -152,6 +152,9 @@ configs = st.fixed_dictionaries({
     "min_path_prob": st.sampled_from([0.0, 0.05]),
     "calibrate": st.booleans(),
     "insert_prompt": st.booleans(),
+    "request_gain_prior": st.sampled_from([0.0, 1.0, 4.0]),
+    "request_gain_decay": st.sampled_from([0.5, 1.0]),
+    "source_agreement": st.sampled_from([0.0, 0.25, 1.0]),
 })
 
 
@@ -305,7 +308,7 @@ def test_step_kernels_refuse_non_contiguous_arrays() -> None:
     ops = np.zeros(6, np.int64)[::2]
     with pytest.raises(ValueError, match="C-contiguous"):
         step.apply_queue(ops, np.zeros(0, np.int32), table.addr, table.size,
-                         drafter._layout.params, cal.cal, cal.prior, drafter._counts, trie.cols,
+                         drafter._layout.params, cal.cal, cal.settings, drafter._counts, trie.cols,
                          trie.edges, trie.runs, trie.meta, drafter._layout.scratch.work[0])
 
 

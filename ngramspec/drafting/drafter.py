@@ -92,7 +92,10 @@ class NgramDrafter:
         self._threads = config.draft_threads
         self.corpora = corpora
         self._trie = NgramTrie(config.capacity, config.max_trie_depth)
-        self.calibrator = SourceCalibrator(config.calibrate, config.calibration_prior_weight)
+        self.calibrator = SourceCalibrator(
+            config.calibrate, config.calibration_prior_weight,
+            gain_prior=config.request_gain_prior, gain_decay=config.request_gain_decay,
+            agreement=config.source_agreement)
         self._requests: dict[str, _Request] = {}
         self._table = step.RequestTable()
         # Commits and prompt insertions wait here for the next kernel call (kernels/step.py):
@@ -255,7 +258,7 @@ class NgramDrafter:
         ops, tokens = self._take_queue()
         trie, cal, table = self._trie, self.calibrator, self._table
         failed = step.apply_queue(ops, tokens, table.addr, table.size, self._layout.params,
-                                  cal.cal, cal.prior, self._counts, trie.cols, trie.edges,
+                                  cal.cal, cal.settings, self._counts, trie.cols, trie.edges,
                                   trie.runs, trie.meta, self._layout.scratch.work[0])
         self._after_queue(failed)
 
@@ -295,7 +298,7 @@ class NgramDrafter:
             kernel = step.propose_parallel
         failed = kernel(
             ops, tokens, batch, out, out_p, table.addr, table.size, layout.params,
-            self._min_path_prob, cal.cal, cal.prior, self._counts, s.ints, s.floats, trie.cols,
+            self._min_path_prob, cal.cal, cal.settings, self._counts, s.ints, s.floats, trie.cols,
             trie.edges, trie.runs, trie.meta, bank.states, bank.trans, bank.edges, bank.roots,
             s.work, s.counts)
         self._after_queue(failed)
@@ -342,10 +345,14 @@ class NgramDrafter:
 
     def _lay_out(self, req: _Request, layout: _Layout, trie_start: int) -> None:
         """Buffers for `layout`'s corpora. On a relayout a pending tree is dropped (the build that
-        follows replaces it; its queued commits already ran) and the corpus matches start over."""
+        follows replaces it; its queued commits already ran), the corpus matches start over and
+        the request's gain sums (the floats' last two) are kept."""
         evidence = layout.params[bk.P_EVIDENCE]
         req.ints = np.zeros(layout.request_ints, np.int64)
-        req.floats = np.zeros(layout.request_floats, np.float64)
+        floats = np.zeros(layout.request_floats, np.float64)
+        if req.floats.size:  # empty before the first lay-out
+            floats[-2:] = req.floats[-2:]
+        req.floats = floats
         req.ints[bk.R_TRIE_START], req.ints[bk.R_EVIDENCE] = trie_start, evidence
         req.matches, req.layout = _matches(layout), layout
         self._table.set(req.slot, req.arrays())

@@ -19,10 +19,13 @@ def length_bucket(length: int) -> int:
 
 
 class ReferenceCalibrator:
-    def __init__(self, enabled: bool, prior_weight: float, prior_factor: float = 1.0) -> None:
+    def __init__(self, enabled: bool, prior_weight: float, prior_factor: float = 1.0,
+                 gain_prior: float = 0.0, gain_decay: float = 1.0) -> None:
         self.enabled = enabled
         self.prior_weight = prior_weight
         self.prior_factor = prior_factor
+        self.gain_prior = gain_prior
+        self.gain_decay = gain_decay
         self.reset()
 
     def reset(self) -> None:
@@ -35,10 +38,27 @@ class ReferenceCalibrator:
         self._factor = table(self.prior_factor)
         self._prior_mass = self.prior_weight * self.prior_factor
 
-    def estimate(self, cls: int, length: int, raw: float) -> float:
-        """Calibrated probability that the verifier accepts this token given its parent."""
-        factor = self._factor[cls][length_bucket(length)] if self.enabled else 1.0
+    def estimate(self, cls: int, length: int, raw: float, gain: float = 1.0) -> float:
+        """Calibrated probability that the verifier accepts this token given its parent, for
+        a request whose gain is `gain`."""
+        factor = self._factor[cls][length_bucket(length)] * gain if self.enabled else 1.0
         return min(MAX_CONDITIONAL, raw * factor)
+
+    def gain(self, sums: list[float]) -> float:
+        """A request's gain from its sums [accepted, predicted]; 1 when off."""
+        if self.gain_prior <= 0:
+            return 1.0
+        return (sums[0] + self.gain_prior) / (sums[1] + self.gain_prior)
+
+    def observe_request(self, sums: list[float], judged: list[tuple[bool, float]]) -> None:
+        """One verify step of a request: decay its sums, then add each judged node (accepted,
+        its conditional estimate as built)."""
+        built_with = self.gain(sums)
+        sums[0] *= self.gain_decay
+        sums[1] *= self.gain_decay
+        for ok, conditional in judged:
+            sums[0] += 1.0 if ok else 0.0
+            sums[1] += conditional / built_with
 
     def observe(self, cls: int, length: int, raw: float, accepted: bool) -> None:
         b = length_bucket(length)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+from ngramspec.drafting.calibration import MAX_CONDITIONAL
 from ngramspec.drafting.config import CorpusSnapshot, DrafterConfig
 from ngramspec.drafting.index.sam import SuffixAutomaton
 from ngramspec.drafting.sources import CONTEXT, CORPUS, NUM_SOURCES, SOURCE_NAMES, TRIE
@@ -51,6 +52,7 @@ class _Request:
     trie_state: ReferenceTrieState
     sam_matches: dict[str, _SamMatch] = field(default_factory=dict)
     pending: tuple[DraftTree, list[list[Evidence]]] | None = None
+    gain_sums: list[float] = field(default_factory=lambda: [0.0, 0.0])  # accepted, predicted
 
 
 class ReferenceDrafter:
@@ -58,7 +60,9 @@ class ReferenceDrafter:
         self.config = config
         self.corpora = corpora
         self.trie = ReferenceTrie(config.capacity, config.max_trie_depth)
-        self.calibrator = ReferenceCalibrator(config.calibrate, config.calibration_prior_weight)
+        self.calibrator = ReferenceCalibrator(config.calibrate, config.calibration_prior_weight,
+                                              gain_prior=config.request_gain_prior,
+                                              gain_decay=config.request_gain_decay)
         self._requests: dict[str, _Request] = {}
         self._reset_counters()
 
@@ -92,7 +96,7 @@ class ReferenceDrafter:
     def commit(self, request_id: str, accepted_token_ids: list[int]) -> None:
         req = self._requests[request_id]
         if req.pending is not None:
-            self._learn(*req.pending, accepted_token_ids)
+            self._learn(req, *req.pending, accepted_token_ids)
             req.pending = None
         start = len(req.tokens)
         req.tokens.extend(accepted_token_ids)
@@ -131,7 +135,8 @@ class ReferenceDrafter:
         if budget <= 0:
             return DraftTree(tokens, parents, probs, sources), evidence
         heap: list = []
-        seq = self._push_children(heap, 0, 0, 1.0, self._root_cursors(req, sams), budget)
+        gain = self.calibrator.gain(req.gain_sums)
+        seq = self._push_children(heap, 0, 0, 1.0, self._root_cursors(req, sams), budget, gain)
         while heap and len(tokens) <= budget:
             neg_prob, _, parent, token, source, cursors, proof = heapq.heappop(heap)
             if -neg_prob < self.config.min_path_prob:
@@ -145,35 +150,38 @@ class ReferenceDrafter:
             self._counts[source] += 1
             if len(tokens) <= budget:  # children of the last node could never be placed
                 seq = self._push_children(heap, seq, slot, -neg_prob, cursors,
-                                          budget + 1 - len(tokens))
+                                          budget + 1 - len(tokens), gain)
         return DraftTree(tokens, parents, probs, sources), evidence
 
     def _push_children(
-        self, heap: list, seq: int, slot: int, prob: float, cursors: list[Cursor], room: int
+        self, heap: list, seq: int, slot: int, prob: float, cursors: list[Cursor], room: int,
+        gain: float,
     ) -> int:
         """Merge every cursor's continuations by token and push one candidate per token. A
-        cursor offers at most `room` (the nodes the tree can still take) continuations."""
+        cursor offers at most `room` (the nodes the tree can still take) continuations. The
+        best estimate wins; the best of the other sources' raises it by their agreement."""
         limit = min(self.config.max_bfs_breadth, room)
-        merged: dict[int, list] = {}  # token -> [estimate, source, child cursors, evidence]
+        # token -> [(source, estimate) offers in order, child cursors, evidence]
+        merged: dict[int, list] = {}
         estimate = self.calibrator.estimate
         for source, handle, length in cursors:
             for token, child, count, total in self._continuations(source, handle, limit):
                 raw = count / (total + 1)
                 cls = 2 * source + (total <= 1)  # the evidence class (calibration.py)
-                est = estimate(cls, length, raw)
-                entry = merged.get(token)
-                if entry is None:
-                    merged[token] = [est, source, [(source, child, length + 1)],
-                                     [(cls, length, raw)]]
-                    continue
-                if est > entry[0]:
-                    entry[0], entry[1] = est, source
-                entry[2].append((source, child, length + 1))
-                entry[3].append((cls, length, raw))
-        for token, (est, source, kids, proof) in merged.items():
+                est = estimate(cls, length, raw, gain)
+                entry = merged.setdefault(token, [[], [], []])
+                entry[0].append((source, est))
+                entry[1].append((source, child, length + 1))
+                entry[2].append((cls, length, raw))
+        for token, (offers, kids, proof) in merged.items():
+            best = max(est for _, est in offers)
+            source = next(s for s, est in offers if est == best)  # the first to offer it
+            other = max((est for s, est in offers if s != source), default=0.0)
+            est = min(MAX_CONDITIONAL, best + (1.0 - best) * other * self.config.source_agreement)
             heapq.heappush(heap, (-prob * est, seq, slot, token, source, kids, proof))
             seq += 1
         return seq
+
 
     def _continuations(self, source: int, handle,
                        limit: int) -> list[tuple[int, object, int, int]]:
@@ -228,17 +236,22 @@ class ReferenceDrafter:
 
     # ----------------------------------------------------------------- learning
 
-    def _learn(self, tree: DraftTree, evidence: list[list[Evidence]], tokens: list[int]) -> None:
+    def _learn(self, req: _Request, tree: DraftTree, evidence: list[list[Evidence]],
+               tokens: list[int]) -> None:
         accepted = set(tree.accepted_nodes(tokens))
         accepted.add(0)
+        judged = []
         for node in range(1, len(tree)):
-            if tree.parents[node] not in accepted:
+            parent = tree.parents[node]
+            if parent not in accepted:
                 continue  # never judged by the verifier: no information
             ok = node in accepted
+            judged.append((ok, tree.probs[node] / tree.probs[parent]))
             if ok:
                 self._counts[NUM_SOURCES + tree.sources[node]] += 1
             for cls, length, raw in evidence[node]:
                 self.calibrator.observe(cls, length, raw, ok)
+        self.calibrator.observe_request(req.gain_sums, judged)
 
     def stats(self) -> dict:
         """Drafted/accepted nodes per winning source, calibration tables, trie size."""

@@ -11,7 +11,9 @@ length, raw estimate) for calibration. Cursors and candidates live in preallocat
                   B (pool length | the state's occurrences), OFF (context offset | the
                   state's edge end), LEN (matched length), NEXT (next cursor of the same
                   candidate), CLS (the evidence class that proposed it: calibration.py)
-  candidate columns: SLOT (parent node), TOK, SRC, HEAD, TAIL (its cursor list)
+  candidate columns: SLOT (parent node), TOK, SRC, HEAD, TAIL (its cursor list); floats: the
+                     winning estimate, -path probability, the best estimate of the other
+                     sources (their agreement: calibration.py)
 Context cursors keep their end positions as segments of `pool`. kernels/step.py calls `build` for
 every request of a batch.
 """
@@ -21,7 +23,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ngramspec.drafting.calibration import BUCKET_EDGES, MAX_CONDITIONAL
+from ngramspec.drafting.calibration import (
+    AGREEMENT,
+    BUCKET_EDGES,
+    GAIN_ACCEPTED,
+    GAIN_PREDICTED,
+    GAIN_PRIOR,
+    MAX_CONDITIONAL,
+)
 from ngramspec.drafting.index.sam import SEPARATOR
 from ngramspec.drafting.kernels import context as cx
 from ngramspec.drafting.kernels import hashtab as ht
@@ -68,7 +77,7 @@ class Scratch:
         self.groups = occurrences + 1
         ints = (CURSOR_COLUMNS + 6) * self.cursors + self.pool + 5 * self.groups + 4
         self.ints = np.zeros((threads, padded(ints)), np.int64)
-        self.floats = np.zeros((threads, padded(3 * self.cursors)), np.float64)
+        self.floats = np.zeros((threads, padded(4 * self.cursors)), np.float64)
         work = max(2 * depth, budget + 1, 3 * anchors)
         self.work = np.zeros((threads, padded(work)), np.int64)
         self.counts = np.zeros((threads, padded(sources)), np.int64)
@@ -92,16 +101,17 @@ def tree_sizes(budget: int, anchors: int, num_corpora: int) -> tuple[int, int]:
 
 
 def request_sizes(budget: int, anchors: int, num_corpora: int) -> tuple[int, int]:
-    """(int, float) buffer lengths of one request's tree and evidence (see `request_views`)."""
+    """(int, float) buffer lengths of one request's tree, evidence and gain (`request_views`)."""
     nodes, evidence = tree_sizes(budget, anchors, num_corpora)
-    return R_HEAD + 3 * nodes + 2 * evidence + nodes + 1, nodes + evidence
+    return R_HEAD + 3 * nodes + 2 * evidence + nodes + 1, nodes + evidence + 2
 
 
 @njit(cache=True)
 def request_views(r_ints, r_floats, params):
     """out_i [3, nodes] (token, parent, source), ev_i [2, evidence] (class, matched length),
     ev_off [nodes + 1] (node i's evidence is ev_off[i]:ev_off[i + 1]), out_p [nodes] (path
-    probabilities), ev_raw [evidence]."""
+    probabilities), ev_raw [evidence], gain [2] (the request's acceptance sums: calibration.py
+    GAIN_ACCEPTED, GAIN_PREDICTED)."""
     nodes, evidence = params[P_NODES], r_ints[R_EVIDENCE]
     o = R_HEAD
     out_i = r_ints[o:o + 3 * nodes].reshape((3, nodes))
@@ -109,7 +119,8 @@ def request_views(r_ints, r_floats, params):
     ev_i = r_ints[o:o + 2 * evidence].reshape((2, evidence))
     o += 2 * evidence
     ev_off = r_ints[o:o + nodes + 1]
-    return out_i, ev_i, ev_off, r_floats[:nodes], r_floats[nodes:nodes + evidence]
+    return (out_i, ev_i, ev_off, r_floats[:nodes], r_floats[nodes:nodes + evidence],
+            r_floats[nodes + evidence:nodes + evidence + 2])
 
 
 @njit(cache=True)
@@ -128,7 +139,8 @@ def _scratch_views(ints, floats, params):
     o += 5 * groups
     counts = ints[o:o + 4]
     raw = floats[:cursors]
-    cand_f = floats[cursors:3 * cursors].reshape((2, cursors))  # estimate, -path probability
+    # estimate, -path probability, the other sources' best estimate
+    cand_f = floats[cursors:4 * cursors].reshape((3, cursors))
     return cur, raw, cand, cand_f, heap, pool_a, groups_a, counts
 
 
@@ -141,9 +153,19 @@ def bucket(length: int) -> int:
 
 
 @njit(cache=True, inline="always")
-def _estimate(factor: np.ndarray, calibrate: bool, cls: int, length: int, raw: float) -> float:
-    f = factor[cls, bucket(length)] if calibrate else 1.0
+def _estimate(factor: np.ndarray, calibrate: bool, cls: int, length: int, raw: float,
+              gain: float) -> float:
+    f = factor[cls, bucket(length)] * gain if calibrate else 1.0
     return min(MAX_CONDITIONAL, raw * f)
+
+
+@njit(cache=True, inline="always")
+def request_gain(gain: np.ndarray, settings: np.ndarray) -> float:
+    """The request's recent acceptance over its estimates (calibration.py); 1 when off."""
+    g = settings[GAIN_PRIOR]
+    if g <= 0.0:
+        return 1.0
+    return (gain[GAIN_ACCEPTED] + g) / (gain[GAIN_PREDICTED] + g)
 
 
 @njit(cache=True, inline="always")
@@ -206,12 +228,19 @@ def _new_cursor(cur: np.ndarray, counts: np.ndarray, src: int, a: int, b: int, o
 @njit(cache=True)
 def _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot, token, src, est, kid,
            raw) -> None:
-    """Merge a continuation into this expansion's candidates (ReferenceDrafter._push_children)."""
+    """Merge a continuation into this expansion's candidates (ReferenceDrafter._push_children):
+    the best estimate wins, and the best of the sources other than the winner's is kept."""
     s_raw[kid] = raw
     for k in range(first_cand, counts[N_CAND]):
         if s_cand[K_TOK, k] == token:
-            if est > s_cand_f[0, k]:
+            if src == s_cand[K_SRC, k]:
+                s_cand_f[0, k] = max(s_cand_f[0, k], est)
+            elif est > s_cand_f[0, k]:
+                # The old winner is the best of every source but `src`.
+                s_cand_f[2, k] = s_cand_f[0, k]
                 s_cand_f[0, k], s_cand[K_SRC, k] = est, src
+            else:
+                s_cand_f[2, k] = max(s_cand_f[2, k], est)
             s_cur[C_NEXT, s_cand[K_TAIL, k]] = kid
             s_cand[K_TAIL, k] = kid
             return
@@ -219,7 +248,7 @@ def _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot, token, src,
     counts[N_CAND] = k + 1
     s_cand[K_SLOT, k], s_cand[K_TOK, k], s_cand[K_SRC, k] = slot, token, src
     s_cand[K_HEAD, k], s_cand[K_TAIL, k] = kid, kid
-    s_cand_f[0, k] = est
+    s_cand_f[0, k], s_cand_f[2, k] = est, 0.0
 
 
 @njit(cache=True)
@@ -268,8 +297,9 @@ def _split_ends(pool, start, num, groups, g, take, counts) -> None:
 
 
 @njit(cache=True)
-def _push_children(cols, tok, n_tok, factor, calibrate, params, bank, s_cur, s_raw, s_cand,
-                   s_cand_f, heap, pool, groups, counts, slot, prob, head, room) -> None:
+def _push_children(cols, tok, n_tok, factor, gain, agreement, calibrate, params, bank, s_cur,
+                   s_raw, s_cand, s_cand_f, heap, pool, groups, counts, slot, prob, head,
+                   room) -> None:
     """Each cursor offers its best min(breadth, room) continuations, `room` being the nodes the
     tree can still take: a cursor ranks its continuations by one calibrated factor times a
     decreasing raw estimate, so its r-th can only be placed after its r - 1 better ones and never
@@ -288,7 +318,7 @@ def _push_children(cols, tok, n_tok, factor, calibrate, params, bank, s_cur, s_r
             while child != -1 and taken < limit:
                 raw = cols[child, tk.CNT] / (total + 1)
                 cls = _class(src, total)
-                est = _estimate(factor, calibrate, cls, length, raw)
+                est = _estimate(factor, calibrate, cls, length, raw, gain)
                 kid = _new_cursor(s_cur, counts, src, child, 0, 0, length + 1, cls)
                 if cols[child, tk.FIRST] >= 0:  # what expanding it reads first
                     ht.prefetch(cols, cols[child, tk.FIRST])
@@ -304,7 +334,7 @@ def _push_children(cols, tok, n_tok, factor, calibrate, params, bank, s_cur, s_r
                 occ = edges[e, sk.E_OCC]
                 raw = occ / (total + 1)
                 cls = _class(src, total)
-                est = _estimate(factor, calibrate, cls, length, raw)
+                est = _estimate(factor, calibrate, cls, length, raw, gain)
                 kid = _new_cursor(s_cur, counts, src, edges[e, sk.E_LO], occ,
                                   edges[e, sk.E_HI], length + 1, cls)
                 ht.prefetch(edges, edges[e, sk.E_LO])  # what expanding it reads
@@ -321,13 +351,15 @@ def _push_children(cols, tok, n_tok, factor, calibrate, params, bank, s_cur, s_r
                 counts[N_POOL] += size
                 raw = size / (num + 1)
                 cls = _class(src, num)
-                est = _estimate(factor, calibrate, cls, length, raw)
+                est = _estimate(factor, calibrate, cls, length, raw, gain)
                 kid = _new_cursor(s_cur, counts, src, at, size, off + 1, length + 1, cls)
                 _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot, t, src, est,
                        kid, raw)
         c = s_cur[C_NEXT, c]
     for k in range(first_cand, counts[N_CAND]):
-        s_cand_f[1, k] = -prob * s_cand_f[0, k]
+        best = s_cand_f[0, k]
+        est = min(MAX_CONDITIONAL, best + (1.0 - best) * s_cand_f[2, k] * agreement)
+        s_cand_f[1, k] = -prob * est
         _heap_push(heap, counts, s_cand_f, k)
 
 
@@ -385,17 +417,19 @@ def _root_cursors(cols, edges, tmeta, tstate, trie_start, tok, prev, cst, params
 
 
 @njit(cache=True)
-def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, budget, min_path_prob,
-          s_ints, s_floats, r_ints, r_floats, stats, bank, work) -> int:
+def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, settings, params, budget,
+          min_path_prob, s_ints, s_floats, r_ints, r_floats, stats, bank, work) -> int:
     """Fill the request's tree and evidence (`request_views`) from its context, the trie and the
     corpus bank (kernels/sam.py: states, trans, edges, roots and the request's match rows; no
     corpus is empty tables; work: int64 scratch of >= 3 anchors); returns the node count, which
     is also left in r_ints[R_PENDING] for the commit that follows."""
     s_cur, s_raw, s_cand, s_cand_f, heap, pool, groups, counts = _scratch_views(
         s_ints, s_floats, params)
-    out_i, ev_i, ev_off, out_p, ev_raw = request_views(r_ints, r_floats, params)
+    out_i, ev_i, ev_off, out_p, ev_raw, gain_sums = request_views(r_ints, r_floats, params)
     factor = cal[3]  # calibration factors [class, bucket]
     calibrate = params[P_CALIBRATE] != 0
+    gain = request_gain(gain_sums, settings)
+    agreement = settings[AGREEMENT]
     n_tok = cst[cx.NUM]
     counts[:] = 0
     out_i[0, 0], out_i[1, 0], out_i[2, 0], out_p[0] = tok[n_tok - 1], -1, -1, 1.0
@@ -405,8 +439,8 @@ def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, budget, min_p
         return 1
     head = _root_cursors(cols, edges, tmeta, tstate, r_ints[R_TRIE_START], tok, prev, cst,
                          params, bank, s_cur, pool, counts, work)
-    _push_children(cols, tok, n_tok, factor, calibrate, params, bank, s_cur, s_raw, s_cand,
-                   s_cand_f, heap, pool, groups, counts, 0, 1.0, head, budget)
+    _push_children(cols, tok, n_tok, factor, gain, agreement, calibrate, params, bank, s_cur,
+                   s_raw, s_cand, s_cand_f, heap, pool, groups, counts, 0, 1.0, head, budget)
     n, e = 1, 0
     while counts[N_HEAP] > 0 and n <= budget:
         k = _heap_pop(heap, counts, s_cand_f)
@@ -425,8 +459,8 @@ def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, params, budget, min_p
         n += 1
         ev_off[n] = e
         if n <= budget:  # children of the last node could never be placed
-            _push_children(cols, tok, n_tok, factor, calibrate, params, bank, s_cur, s_raw,
-                           s_cand, s_cand_f, heap, pool, groups, counts, n - 1, prob,
-                           s_cand[K_HEAD, k], budget + 1 - n)
+            _push_children(cols, tok, n_tok, factor, gain, agreement, calibrate, params, bank,
+                           s_cur, s_raw, s_cand, s_cand_f, heap, pool, groups, counts, n - 1,
+                           prob, s_cand[K_HEAD, k], budget + 1 - n)
     r_ints[R_PENDING] = n
     return n

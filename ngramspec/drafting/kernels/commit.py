@@ -5,20 +5,29 @@ from __future__ import annotations
 
 from numba import njit
 
+from ngramspec.drafting.calibration import (
+    GAIN_ACCEPTED,
+    GAIN_DECAY,
+    GAIN_PREDICTED,
+    PRIOR_MASS,
+    PRIOR_WEIGHT,
+)
 from ngramspec.drafting.kernels import context as cx
 from ngramspec.drafting.kernels import trie as tk
-from ngramspec.drafting.kernels.build import R_PENDING, bucket, request_views
+from ngramspec.drafting.kernels.build import R_PENDING, bucket, request_gain, request_views
 from ngramspec.drafting.sources import NUM_SOURCES
 
 
 @njit(cache=True)
-def learn(out_i, n, ev_i, ev_raw, ev_off, accepted_tokens, cal, calibrate_prior, stats,
+def learn(out_i, out_p, n, ev_i, ev_raw, ev_off, accepted_tokens, cal, settings, gain, stats,
           work) -> None:
     """Calibrate on every node the verifier judged (its parent accepted); tests/oracles/drafter.py
     `_learn` is the reference.
 
     cal (float64 [4, NUM_CLASSES, buckets]): raw sums, acceptances, trials, factors;
-    calibrate_prior: (prior mass, prior weight); work: int64 scratch of >= n.
+    settings: calibration.py's columns; gain: the request's sums (decayed, then this step's
+    judged nodes added: accepted, and each one's conditional estimate without the gain the
+    tree was built with); work: int64 scratch of >= n.
     """
     accepted = work[:n]
     accepted[:] = 0
@@ -34,10 +43,16 @@ def learn(out_i, n, ev_i, ev_raw, ev_off, accepted_tokens, cal, calibrate_prior,
             break
         accepted[nxt] = 1
         node = nxt
+    built_with = request_gain(gain, settings)
+    gain[GAIN_ACCEPTED] *= settings[GAIN_DECAY]
+    gain[GAIN_PREDICTED] *= settings[GAIN_DECAY]
     for i in range(1, n):
-        if not accepted[out_i[1, i]]:
+        parent = out_i[1, i]
+        if not accepted[parent]:
             continue  # never judged by the verifier: no information
         ok = accepted[i]
+        gain[GAIN_ACCEPTED] += 1.0 if ok else 0.0
+        gain[GAIN_PREDICTED] += out_p[i] / out_p[parent] / built_with
         if ok:
             stats[NUM_SOURCES + out_i[2, i]] += 1
         for e in range(ev_off[i], ev_off[i + 1]):
@@ -45,19 +60,20 @@ def learn(out_i, n, ev_i, ev_raw, ev_off, accepted_tokens, cal, calibrate_prior,
             cal[0, s, b] += ev_raw[e]
             cal[1, s, b] += 1.0 if ok else 0.0
             cal[2, s, b] += 1
-            cal[3, s, b] = (cal[1, s, b] + calibrate_prior[0]) / (cal[0, s, b] + calibrate_prior[1])
+            cal[3, s, b] = (cal[1, s, b] + settings[PRIOR_MASS]) / (
+                cal[0, s, b] + settings[PRIOR_WEIGHT])
 
 
 @njit(cache=True)
-def commit_one(r_ints, r_floats, params, new, trie_from, cal, prior, stats, tok, prev, hashes,
+def commit_one(r_ints, r_floats, params, new, trie_from, cal, settings, stats, tok, prev, hashes,
                table, st, cols, edges, runs, meta, tstate, work) -> int:
     """One queued operation of a request (kernels/step.py): learn from its pending tree, index
     the new tokens, count the n-grams ending at positions from `trie_from` (-1: the first new
     token). 0, or -2 when the trie was not grown first (a bug)."""
     pending = r_ints[R_PENDING]
     if pending:
-        out_i, ev_i, ev_off, _, ev_raw = request_views(r_ints, r_floats, params)
-        learn(out_i, pending, ev_i, ev_raw, ev_off, new, cal, prior, stats, work)
+        out_i, ev_i, ev_off, out_p, ev_raw, gain = request_views(r_ints, r_floats, params)
+        learn(out_i, out_p, pending, ev_i, ev_raw, ev_off, new, cal, settings, gain, stats, work)
         r_ints[R_PENDING] = 0
     start = st[cx.NUM] if trie_from < 0 else trie_from
     cx.append(tok, prev, hashes, table, st, new)

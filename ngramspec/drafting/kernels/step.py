@@ -114,29 +114,29 @@ def _raw(a):
 
 
 @njit(cache=True)
-def _apply_one(addr, size, slot, new, trie_from, params, cal, prior, stats, cols, edges, runs,
+def _apply_one(addr, size, slot, new, trie_from, params, cal, settings, stats, cols, edges, runs,
                meta, work) -> int:
     return cm.commit_one(
         _view(addr, size, slot, F_INTS, np.int64), _view(addr, size, slot, F_FLOATS, np.float64),
-        params, new, trie_from, cal, prior, stats, _view(addr, size, slot, F_TOK, np.int32),
+        params, new, trie_from, cal, settings, stats, _view(addr, size, slot, F_TOK, np.int32),
         _view(addr, size, slot, F_PREV, np.int32), _view(addr, size, slot, F_HASHES, np.uint64),
         _view2(addr, size, slot, F_TABLE, 2, np.uint64), _view(addr, size, slot, F_ST, np.int64),
         cols, edges, runs, meta, _view(addr, size, slot, F_TSTATE, np.int32), work)
 
 
 @njit(cache=True)
-def apply_queue(ops, tokens, addr, size, params, cal, prior, stats, cols, edges, runs, meta,
+def apply_queue(ops, tokens, addr, size, params, cal, settings, stats, cols, edges, runs, meta,
                 work) -> int:
     """Run the queued operations (flat triples) in order; 0, or -2 when the trie was not grown
     first (a bug)."""
     ops, tokens, addr, size, params = _raw(ops), _raw(tokens), _raw(addr), _raw(size), _raw(params)
-    cal, prior, stats, cols, edges = _raw(cal), _raw(prior), _raw(stats), _raw(cols), _raw(edges)
-    runs, meta, work = _raw(runs), _raw(meta), _raw(work)
+    cal, settings, stats, cols = _raw(cal), _raw(settings), _raw(stats), _raw(cols)
+    edges, runs, meta, work = _raw(edges), _raw(runs), _raw(meta), _raw(work)
     at = 0
     for i in range(0, ops.shape[0], 3):
         count = ops[i + O_COUNT]
         failed = _apply_one(addr, size, ops[i + O_SLOT], tokens[at:at + count],
-                            ops[i + O_TRIE_FROM], params, cal, prior, stats, cols, edges, runs,
+                            ops[i + O_TRIE_FROM], params, cal, settings, stats, cols, edges, runs,
                             meta, work)
         if failed:
             return failed
@@ -145,8 +145,9 @@ def apply_queue(ops, tokens, addr, size, params, cal, prior, stats, cols, edges,
 
 
 @njit(cache=True, inline="always")
-def _build_one(i, t, batch, out, out_p, addr, size, params, min_path_prob, cal, stats, s_ints,
-               s_floats, cols, edges, meta, states, trans, corpus_edges, roots, work) -> None:
+def _build_one(i, t, batch, out, out_p, addr, size, params, min_path_prob, cal, settings, stats,
+               s_ints, s_floats, cols, edges, meta, states, trans, corpus_edges, roots,
+               work) -> None:
     """Request i of the batch with thread t's scratch: its tree into row i of `out` (tokens,
     parents and sources, nodes columns each) and of `out_p` (path probabilities, then the node
     count in the last column: one array less to convert)."""
@@ -159,7 +160,8 @@ def _build_one(i, t, batch, out, out_p, addr, size, params, min_path_prob, cal, 
     n = bk.build(cols, edges, meta, _view(addr, size, slot, F_TSTATE, np.int32),
                  _view(addr, size, slot, F_TOK, np.int32),
                  _view(addr, size, slot, F_PREV, np.int32),
-                 _view(addr, size, slot, F_ST, np.int64), cal, params, batch[num + i],
+                 _view(addr, size, slot, F_ST, np.int64), cal, settings, params,
+                 batch[num + i],
                  min_path_prob, s_ints[t], s_floats[t], r_ints, r_floats, stats, bank, work[t])
     for j in range(3 * nodes):
         out[i, j] = r_ints[bk.R_HEAD + j]
@@ -169,7 +171,7 @@ def _build_one(i, t, batch, out, out_p, addr, size, params, min_path_prob, cal, 
 
 
 @njit(cache=True, inline="always")
-def _propose(ops, tokens, batch, out, out_p, addr, size, params, min_path_prob, cal, prior,
+def _propose(ops, tokens, batch, out, out_p, addr, size, params, min_path_prob, cal, settings,
              stats, s_ints, s_floats, cols, edges, runs, meta, states, trans, corpus_edges, roots,
              work, thread_stats) -> int:
     """The queue, then one tree per request of `batch` (its slots, then their budgets). The
@@ -185,7 +187,7 @@ def _propose(ops, tokens, batch, out, out_p, addr, size, params, min_path_prob, 
     addr, size, params, cal, stats = _raw(addr), _raw(size), _raw(params), _raw(cal), _raw(stats)
     cols, edges, meta, work = _raw(cols), _raw(edges), _raw(meta), _raw(work)
     thread_stats = _raw(thread_stats)
-    failed = apply_queue(ops, tokens, addr, size, params, cal, prior, stats, cols, edges, runs,
+    failed = apply_queue(ops, tokens, addr, size, params, cal, settings, stats, cols, edges, runs,
                          meta, work[0])
     if failed:
         return failed
@@ -194,8 +196,8 @@ def _propose(ops, tokens, batch, out, out_p, addr, size, params, min_path_prob, 
     for t in prange(threads):
         for i in range(t * num // threads, (t + 1) * num // threads):
             _build_one(i, t, batch, out, out_p, addr, size, params, min_path_prob, cal,
-                       thread_stats[t], s_ints, s_floats, cols, edges, meta, states, trans,
-                       corpus_edges, roots, work)
+                       settings, thread_stats[t], s_ints, s_floats, cols, edges, meta, states,
+                       trans, corpus_edges, roots, work)
     for t in range(threads):  # each thread counted its own drafts (a shared += would race)
         for j in range(stats.shape[0]):
             stats[j] += thread_stats[t, j]
@@ -204,20 +206,20 @@ def _propose(ops, tokens, batch, out, out_p, addr, size, params, min_path_prob, 
 
 
 @njit(cache=True)
-def propose(ops, tokens, batch, out, out_p, addr, size, params, min_path_prob, cal, prior, stats,
+def propose(ops, tokens, batch, out, out_p, addr, size, params, min_path_prob, cal, settings, stats,
             s_ints, s_floats, cols, edges, runs, meta, states, trans, corpus_edges, roots, work,
             thread_stats) -> int:
     """`_propose` on the calling thread (a parallel region costs ~1.5 µs: small batches)."""
     return _propose(ops, tokens, batch, out, out_p, addr, size, params, min_path_prob, cal,
-                    prior, stats, s_ints, s_floats, cols, edges, runs, meta, states, trans,
+                    settings, stats, s_ints, s_floats, cols, edges, runs, meta, states, trans,
                     corpus_edges, roots, work, thread_stats)
 
 
 @njit(cache=True, parallel=True)
 def propose_parallel(ops, tokens, batch, out, out_p, addr, size, params, min_path_prob, cal,
-                     prior, stats, s_ints, s_floats, cols, edges, runs, meta, states, trans,
+                     settings, stats, s_ints, s_floats, cols, edges, runs, meta, states, trans,
                      corpus_edges, roots, work, thread_stats) -> int:
     """`_propose` with the blocks of the batch on numba's threads."""
     return _propose(ops, tokens, batch, out, out_p, addr, size, params, min_path_prob, cal,
-                    prior, stats, s_ints, s_floats, cols, edges, runs, meta, states, trans,
+                    settings, stats, s_ints, s_floats, cols, edges, runs, meta, states, trans,
                     corpus_edges, roots, work, thread_stats)
