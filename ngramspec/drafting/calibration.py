@@ -13,15 +13,14 @@ The class is the source and whether the matched suffix had one earlier occurrenc
 edits: one earlier occurrence of a long match is copied far more reliably than a 1-in-2 split of
 several occurrences, which the raw estimate cannot tell apart.
 
-Two more signals adjust a node's estimate (replays of data/streams, `ngramspec simulate`):
-- The request's own recent acceptance. Each request keeps a gain = (accepted + g) / (predicted +
-  g) over the nodes the verifier judged in its recent steps (each step's sums decay by a factor
-  first), "predicted" being each node's estimate before the gain. A request that is copying gets
-  deeper chains, one writing new text wider trees. +0.8% mean accepted overall.
-- Agreement between sources. A token that another source also proposes gets
-  best + (1 - best) * other * agreement, `other` the best estimate of the sources that did not
-  win: the trie holds the request's own text too, so two sources are not independent evidence
-  and the weight stays well below 1 (noisy-or). +0.3% mean accepted overall.
+The request's own recent acceptance then scales the estimate, per source: each request keeps a
+gain per source = (accepted + g) / (predicted + g) over the nodes that source won and the
+verifier judged in the request's recent steps (each step's sums decay by a factor first),
+"predicted" being each node's estimate before the gain. A request that is copying gets deeper
+chains from the source it copies, one writing new text wider trees. Replays of data/streams:
+2.455 -> 2.486 mean accepted (one gain for all sources: 2.475). Raising a token two sources
+agree on (noisy-or, weight 0.25) added 0.2% alone and nothing on top of the per-source gain,
+so the best source's estimate stands alone.
 """
 
 from __future__ import annotations
@@ -39,12 +38,12 @@ MAX_CONDITIONAL = 0.98
 # kernels/build.py `_class` computes it.
 NUM_CLASSES = 2 * NUM_SOURCES
 # Columns of SourceCalibrator.settings, the scalars the kernels read: the factors' prior (mass,
-# weight), the request gain's prior weight (0: no gain) and per-step decay, and the agreement
-# weight.
-PRIOR_MASS, PRIOR_WEIGHT, GAIN_PRIOR, GAIN_DECAY, AGREEMENT = range(5)
-# A request's gain state, two floats after its tree (kernels/build.py request_views): accepted,
-# predicted.
+# weight), the request gain's prior weight (0: no gain) and per-step decay.
+PRIOR_MASS, PRIOR_WEIGHT, GAIN_PRIOR, GAIN_DECAY = range(4)
+# A request's gain state, after its tree (kernels/build.py request_views): per source, the
+# accepted and predicted sums at 2 * source + GAIN_ACCEPTED / GAIN_PREDICTED.
 GAIN_ACCEPTED, GAIN_PREDICTED = range(2)
+GAIN_FLOATS = 2 * NUM_SOURCES
 
 
 def class_name(cls: int) -> str:
@@ -56,24 +55,31 @@ class SourceCalibrator:
     """The calibration tables in one float64 array that the numba kernels read and update in place.
 
     cal[0] raw sums, cal[1] acceptances, cal[2] trials, cal[3] factors, each [class, bucket];
-    `settings` (columns PRIOR_MASS ... AGREEMENT). The update is kernels/commit.py `learn`, the
+    `settings` (columns PRIOR_MASS ... GAIN_DECAY). The update is kernels/commit.py `learn`, the
     estimate kernels/build.py `_estimate` (tests/oracles/calibration.py is their list-based
     reference).
     """
 
     def __init__(self, enabled: bool, prior_weight: float, prior_factor: float = 1.0,
-                 gain_prior: float = 0.0, gain_decay: float = 1.0,
-                 agreement: float = 0.0) -> None:
+                 gain_prior: float = 0.0, gain_decay: float = 1.0) -> None:
         self.enabled = enabled
         self.prior_weight = prior_weight
         self.prior_factor = prior_factor
         self.settings = np.array([prior_weight * prior_factor, prior_weight, gain_prior,
-                                  gain_decay, agreement], np.float64)
+                                  gain_decay], np.float64)
         self.reset()
 
     def reset(self) -> None:
         self.cal = np.zeros((4, NUM_CLASSES, NUM_BUCKETS), np.float64)
         self.cal[3] = self.prior_factor
+
+    def gain(self, sums: list[float]) -> float:
+        """A source's request gain from its [accepted, predicted] sums (kernels/build.py
+        `request_gain`, for reading)."""
+        g = float(self.settings[GAIN_PRIOR])
+        if g <= 0.0:
+            return 1.0
+        return (sums[GAIN_ACCEPTED] + g) / (sums[GAIN_PREDICTED] + g)
 
     def stats(self) -> dict[str, dict[str, list[float]]]:
         """Per class ("context", "context/unique", ...): trials, acceptance rate and learned

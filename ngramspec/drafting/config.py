@@ -48,15 +48,12 @@ class DrafterConfig:
     insert_prompt: bool = True  # put prompts into the global trie (count once)
     calibrate: bool = True  # learn acceptance per (source, match length) online
     calibration_prior_weight: float = 8.0  # pseudo-trials behind the prior factor of a bucket
-    # A request's own recent acceptance scales its estimates (calibration.py): the gain's prior
-    # in pseudo-trials (0: off) and the decay of its sums per verify step. Replays of
-    # data/streams: prior 1 with decay 0.6-0.8 all give 2.471-2.482 mean accepted against 2.455
-    # without; prior 2 or 4 less, no decay (1.0) nothing.
+    # A request's own recent acceptance per source scales its estimates (calibration.py): the
+    # gains' prior in pseudo-trials (0: off) and the decay of their sums per verify step.
+    # Replays of data/streams: prior 1 with decay 0.7 gives 2.486 mean accepted against 2.455
+    # without (decay 0.5-0.9: 2.477-2.486; prior 2: 2.476; no decay, 1.0: about none).
     request_gain_prior: float = 1.0
     request_gain_decay: float = 0.7
-    # Weight of another source's agreement on a token (noisy-or, calibration.py; 0: the best
-    # source alone). Replays: 0.25 gives +0.25% mean accepted, 0.5 and 1.0 +0.15%.
-    source_agreement: float = 0.25
     # Threads that build a batch's trees (the queued commits stay on one): the trees are the same
     # for any count. Meant for cores that idle while an accelerator runs, but on an H200 host at 64
     # requests a step's drafting took 2.8 ms with 4 threads against 1.3 ms with 1 in an earlier
@@ -91,7 +88,6 @@ class DrafterConfig:
         _check(self.calibration_prior_weight > 0, "calibration_prior_weight", "must be > 0")
         _check(self.request_gain_prior >= 0, "request_gain_prior", "must be >= 0 (0: off)")
         _check(0.0 < self.request_gain_decay <= 1.0, "request_gain_decay", "must be in (0, 1]")
-        _check(0.0 <= self.source_agreement <= 1.0, "source_agreement", "must be in [0, 1]")
         _check(1 <= self.draft_threads <= 256, "draft_threads", "must be in [1, 256]")
 
     @property

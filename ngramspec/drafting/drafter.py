@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ngramspec.drafting.calibration import SourceCalibrator
+from ngramspec.drafting.calibration import GAIN_FLOATS, SourceCalibrator
 from ngramspec.drafting.config import CorpusSnapshot, DrafterConfig
 from ngramspec.drafting.index.context import ContextIndex
 from ngramspec.drafting.index.sam import SuffixAutomaton
@@ -94,8 +94,7 @@ class NgramDrafter:
         self._trie = NgramTrie(config.capacity, config.max_trie_depth)
         self.calibrator = SourceCalibrator(
             config.calibrate, config.calibration_prior_weight,
-            gain_prior=config.request_gain_prior, gain_decay=config.request_gain_decay,
-            agreement=config.source_agreement)
+            gain_prior=config.request_gain_prior, gain_decay=config.request_gain_decay)
         self._requests: dict[str, _Request] = {}
         self._table = step.RequestTable()
         # Commits and prompt insertions wait here for the next kernel call (kernels/step.py):
@@ -346,18 +345,25 @@ class NgramDrafter:
     def _lay_out(self, req: _Request, layout: _Layout, trie_start: int) -> None:
         """Buffers for `layout`'s corpora. On a relayout a pending tree is dropped (the build that
         follows replaces it; its queued commits already ran), the corpus matches start over and
-        the request's gain sums (the floats' last two) are kept."""
+        the request's gain sums (the floats' last GAIN_FLOATS) are kept."""
         evidence = layout.params[bk.P_EVIDENCE]
         req.ints = np.zeros(layout.request_ints, np.int64)
         floats = np.zeros(layout.request_floats, np.float64)
         if req.floats.size:  # empty before the first lay-out
-            floats[-2:] = req.floats[-2:]
+            floats[-GAIN_FLOATS:] = req.floats[-GAIN_FLOATS:]
         req.floats = floats
         req.ints[bk.R_TRIE_START], req.ints[bk.R_EVIDENCE] = trie_start, evidence
         req.matches, req.layout = _matches(layout), layout
         self._table.set(req.slot, req.arrays())
 
     # ----------------------------------------------------------------- reading
+
+    def request_gains(self, request_id: str) -> dict[str, float]:
+        """The request's acceptance gain per source (calibration.py), as its next tree uses."""
+        self._flush()
+        sums = self._requests[request_id].floats[-GAIN_FLOATS:].tolist()
+        return {name: self.calibrator.gain(sums[2 * s:2 * s + 2])
+                for s, name in SOURCE_NAMES.items()}
 
     def stats(self) -> dict:
         """Drafted/accepted nodes per winning source, calibration tables, trie size."""

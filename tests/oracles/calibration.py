@@ -44,21 +44,25 @@ class ReferenceCalibrator:
         factor = self._factor[cls][length_bucket(length)] * gain if self.enabled else 1.0
         return min(MAX_CONDITIONAL, raw * factor)
 
-    def gain(self, sums: list[float]) -> float:
-        """A request's gain from its sums [accepted, predicted]; 1 when off."""
+    def gain(self, sums: dict[int, list[float]], source: int) -> float:
+        """A request's gain for `source` from its sums {source: [accepted, predicted]}; 1 when
+        off."""
         if self.gain_prior <= 0:
             return 1.0
-        return (sums[0] + self.gain_prior) / (sums[1] + self.gain_prior)
+        accepted, predicted = sums[source]
+        return (accepted + self.gain_prior) / (predicted + self.gain_prior)
 
-    def observe_request(self, sums: list[float], judged: list[tuple[bool, float]]) -> None:
-        """One verify step of a request: decay its sums, then add each judged node (accepted,
-        its conditional estimate as built)."""
-        built_with = self.gain(sums)
-        sums[0] *= self.gain_decay
-        sums[1] *= self.gain_decay
-        for ok, conditional in judged:
-            sums[0] += 1.0 if ok else 0.0
-            sums[1] += conditional / built_with
+    def observe_request(self, sums: dict[int, list[float]],
+                        judged: list[tuple[int, bool, float]]) -> None:
+        """One verify step of a request: decay its sums, then add each judged node (its
+        winning source, accepted, its conditional estimate as built) to its source's."""
+        built_with = {source: self.gain(sums, source) for source in sums}
+        for pair in sums.values():
+            pair[0] *= self.gain_decay
+            pair[1] *= self.gain_decay
+        for source, ok, conditional in judged:
+            sums[source][0] += 1.0 if ok else 0.0
+            sums[source][1] += conditional / built_with[source]
 
     def observe(self, cls: int, length: int, raw: float, accepted: bool) -> None:
         b = length_bucket(length)

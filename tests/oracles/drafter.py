@@ -21,7 +21,6 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from ngramspec.drafting.calibration import MAX_CONDITIONAL
 from ngramspec.drafting.config import CorpusSnapshot, DrafterConfig
 from ngramspec.drafting.index.sam import SuffixAutomaton
 from ngramspec.drafting.sources import CONTEXT, CORPUS, NUM_SOURCES, SOURCE_NAMES, TRIE
@@ -52,7 +51,9 @@ class _Request:
     trie_state: ReferenceTrieState
     sam_matches: dict[str, _SamMatch] = field(default_factory=dict)
     pending: tuple[DraftTree, list[list[Evidence]]] | None = None
-    gain_sums: list[float] = field(default_factory=lambda: [0.0, 0.0])  # accepted, predicted
+    # Per source: [accepted, predicted] (the request gain: calibration.py)
+    gain_sums: dict[int, list[float]] = field(
+        default_factory=lambda: {s: [0.0, 0.0] for s in SOURCE_NAMES})
 
 
 class ReferenceDrafter:
@@ -135,7 +136,7 @@ class ReferenceDrafter:
         if budget <= 0:
             return DraftTree(tokens, parents, probs, sources), evidence
         heap: list = []
-        gain = self.calibrator.gain(req.gain_sums)
+        gain = {s: self.calibrator.gain(req.gain_sums, s) for s in SOURCE_NAMES}
         seq = self._push_children(heap, 0, 0, 1.0, self._root_cursors(req, sams), budget, gain)
         while heap and len(tokens) <= budget:
             neg_prob, _, parent, token, source, cursors, proof = heapq.heappop(heap)
@@ -155,33 +156,32 @@ class ReferenceDrafter:
 
     def _push_children(
         self, heap: list, seq: int, slot: int, prob: float, cursors: list[Cursor], room: int,
-        gain: float,
+        gain: dict[int, float],
     ) -> int:
         """Merge every cursor's continuations by token and push one candidate per token. A
-        cursor offers at most `room` (the nodes the tree can still take) continuations. The
-        best estimate wins; the best of the other sources' raises it by their agreement."""
+        cursor offers at most `room` (the nodes the tree can still take) continuations; its
+        estimates carry the request's gain for its source."""
         limit = min(self.config.max_bfs_breadth, room)
-        # token -> [(source, estimate) offers in order, child cursors, evidence]
-        merged: dict[int, list] = {}
+        merged: dict[int, list] = {}  # token -> [estimate, source, child cursors, evidence]
         estimate = self.calibrator.estimate
         for source, handle, length in cursors:
             for token, child, count, total in self._continuations(source, handle, limit):
                 raw = count / (total + 1)
                 cls = 2 * source + (total <= 1)  # the evidence class (calibration.py)
-                est = estimate(cls, length, raw, gain)
-                entry = merged.setdefault(token, [[], [], []])
-                entry[0].append((source, est))
-                entry[1].append((source, child, length + 1))
-                entry[2].append((cls, length, raw))
-        for token, (offers, kids, proof) in merged.items():
-            best = max(est for _, est in offers)
-            source = next(s for s, est in offers if est == best)  # the first to offer it
-            other = max((est for s, est in offers if s != source), default=0.0)
-            est = min(MAX_CONDITIONAL, best + (1.0 - best) * other * self.config.source_agreement)
+                est = estimate(cls, length, raw, gain[source])
+                entry = merged.get(token)
+                if entry is None:
+                    merged[token] = [est, source, [(source, child, length + 1)],
+                                     [(cls, length, raw)]]
+                    continue
+                if est > entry[0]:
+                    entry[0], entry[1] = est, source
+                entry[2].append((source, child, length + 1))
+                entry[3].append((cls, length, raw))
+        for token, (est, source, kids, proof) in merged.items():
             heapq.heappush(heap, (-prob * est, seq, slot, token, source, kids, proof))
             seq += 1
         return seq
-
 
     def _continuations(self, source: int, handle,
                        limit: int) -> list[tuple[int, object, int, int]]:
@@ -246,12 +246,16 @@ class ReferenceDrafter:
             if parent not in accepted:
                 continue  # never judged by the verifier: no information
             ok = node in accepted
-            judged.append((ok, tree.probs[node] / tree.probs[parent]))
+            judged.append((tree.sources[node], ok, tree.probs[node] / tree.probs[parent]))
             if ok:
                 self._counts[NUM_SOURCES + tree.sources[node]] += 1
             for cls, length, raw in evidence[node]:
                 self.calibrator.observe(cls, length, raw, ok)
         self.calibrator.observe_request(req.gain_sums, judged)
+
+    def request_gains(self, request_id: str) -> dict[str, float]:
+        sums = self._requests[request_id].gain_sums
+        return {name: self.calibrator.gain(sums, s) for s, name in SOURCE_NAMES.items()}
 
     def stats(self) -> dict:
         """Drafted/accepted nodes per winning source, calibration tables, trie size."""

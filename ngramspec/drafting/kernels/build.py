@@ -11,9 +11,7 @@ length, raw estimate) for calibration. Cursors and candidates live in preallocat
                   B (pool length | the state's occurrences), OFF (context offset | the
                   state's edge end), LEN (matched length), NEXT (next cursor of the same
                   candidate), CLS (the evidence class that proposed it: calibration.py)
-  candidate columns: SLOT (parent node), TOK, SRC, HEAD, TAIL (its cursor list); floats: the
-                     winning estimate, -path probability, the best estimate of the other
-                     sources (their agreement: calibration.py)
+  candidate columns: SLOT (parent node), TOK, SRC, HEAD, TAIL (its cursor list)
 Context cursors keep their end positions as segments of `pool`. kernels/step.py calls `build` for
 every request of a batch.
 """
@@ -24,9 +22,9 @@ import numpy as np
 from numba import njit
 
 from ngramspec.drafting.calibration import (
-    AGREEMENT,
     BUCKET_EDGES,
     GAIN_ACCEPTED,
+    GAIN_FLOATS,
     GAIN_PREDICTED,
     GAIN_PRIOR,
     MAX_CONDITIONAL,
@@ -77,7 +75,7 @@ class Scratch:
         self.groups = occurrences + 1
         ints = (CURSOR_COLUMNS + 6) * self.cursors + self.pool + 5 * self.groups + 4
         self.ints = np.zeros((threads, padded(ints)), np.int64)
-        self.floats = np.zeros((threads, padded(4 * self.cursors)), np.float64)
+        self.floats = np.zeros((threads, padded(3 * self.cursors)), np.float64)
         work = max(2 * depth, budget + 1, 3 * anchors)
         self.work = np.zeros((threads, padded(work)), np.int64)
         self.counts = np.zeros((threads, padded(sources)), np.int64)
@@ -103,15 +101,15 @@ def tree_sizes(budget: int, anchors: int, num_corpora: int) -> tuple[int, int]:
 def request_sizes(budget: int, anchors: int, num_corpora: int) -> tuple[int, int]:
     """(int, float) buffer lengths of one request's tree, evidence and gain (`request_views`)."""
     nodes, evidence = tree_sizes(budget, anchors, num_corpora)
-    return R_HEAD + 3 * nodes + 2 * evidence + nodes + 1, nodes + evidence + 2
+    return R_HEAD + 3 * nodes + 2 * evidence + nodes + 1, nodes + evidence + GAIN_FLOATS
 
 
 @njit(cache=True)
 def request_views(r_ints, r_floats, params):
     """out_i [3, nodes] (token, parent, source), ev_i [2, evidence] (class, matched length),
     ev_off [nodes + 1] (node i's evidence is ev_off[i]:ev_off[i + 1]), out_p [nodes] (path
-    probabilities), ev_raw [evidence], gain [2] (the request's acceptance sums: calibration.py
-    GAIN_ACCEPTED, GAIN_PREDICTED)."""
+    probabilities), ev_raw [evidence], gain [GAIN_FLOATS] (the request's acceptance sums per
+    source: calibration.py)."""
     nodes, evidence = params[P_NODES], r_ints[R_EVIDENCE]
     o = R_HEAD
     out_i = r_ints[o:o + 3 * nodes].reshape((3, nodes))
@@ -120,7 +118,7 @@ def request_views(r_ints, r_floats, params):
     o += 2 * evidence
     ev_off = r_ints[o:o + nodes + 1]
     return (out_i, ev_i, ev_off, r_floats[:nodes], r_floats[nodes:nodes + evidence],
-            r_floats[nodes + evidence:nodes + evidence + 2])
+            r_floats[nodes + evidence:nodes + evidence + GAIN_FLOATS])
 
 
 @njit(cache=True)
@@ -139,8 +137,7 @@ def _scratch_views(ints, floats, params):
     o += 5 * groups
     counts = ints[o:o + 4]
     raw = floats[:cursors]
-    # estimate, -path probability, the other sources' best estimate
-    cand_f = floats[cursors:4 * cursors].reshape((3, cursors))
+    cand_f = floats[cursors:3 * cursors].reshape((2, cursors))  # estimate, -path probability
     return cur, raw, cand, cand_f, heap, pool_a, groups_a, counts
 
 
@@ -160,12 +157,20 @@ def _estimate(factor: np.ndarray, calibrate: bool, cls: int, length: int, raw: f
 
 
 @njit(cache=True, inline="always")
-def request_gain(gain: np.ndarray, settings: np.ndarray) -> float:
-    """The request's recent acceptance over its estimates (calibration.py); 1 when off."""
+def request_gain(gain: np.ndarray, settings: np.ndarray, src: int) -> float:
+    """The request's recent acceptance of `src`'s drafts over their estimates (calibration.py);
+    1 when off."""
     g = settings[GAIN_PRIOR]
     if g <= 0.0:
         return 1.0
-    return (gain[GAIN_ACCEPTED] + g) / (gain[GAIN_PREDICTED] + g)
+    return (gain[2 * src + GAIN_ACCEPTED] + g) / (gain[2 * src + GAIN_PREDICTED] + g)
+
+
+@njit(cache=True, inline="always")
+def request_gains(gain: np.ndarray, settings: np.ndarray) -> tuple:
+    """`request_gain` of each source, indexed by source id."""
+    return (request_gain(gain, settings, CONTEXT), request_gain(gain, settings, TRIE),
+            request_gain(gain, settings, CORPUS))
 
 
 @njit(cache=True, inline="always")
@@ -228,19 +233,12 @@ def _new_cursor(cur: np.ndarray, counts: np.ndarray, src: int, a: int, b: int, o
 @njit(cache=True)
 def _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot, token, src, est, kid,
            raw) -> None:
-    """Merge a continuation into this expansion's candidates (ReferenceDrafter._push_children):
-    the best estimate wins, and the best of the sources other than the winner's is kept."""
+    """Merge a continuation into this expansion's candidates (ReferenceDrafter._push_children)."""
     s_raw[kid] = raw
     for k in range(first_cand, counts[N_CAND]):
         if s_cand[K_TOK, k] == token:
-            if src == s_cand[K_SRC, k]:
-                s_cand_f[0, k] = max(s_cand_f[0, k], est)
-            elif est > s_cand_f[0, k]:
-                # The old winner is the best of every source but `src`.
-                s_cand_f[2, k] = s_cand_f[0, k]
+            if est > s_cand_f[0, k]:
                 s_cand_f[0, k], s_cand[K_SRC, k] = est, src
-            else:
-                s_cand_f[2, k] = max(s_cand_f[2, k], est)
             s_cur[C_NEXT, s_cand[K_TAIL, k]] = kid
             s_cand[K_TAIL, k] = kid
             return
@@ -248,7 +246,7 @@ def _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot, token, src,
     counts[N_CAND] = k + 1
     s_cand[K_SLOT, k], s_cand[K_TOK, k], s_cand[K_SRC, k] = slot, token, src
     s_cand[K_HEAD, k], s_cand[K_TAIL, k] = kid, kid
-    s_cand_f[0, k], s_cand_f[2, k] = est, 0.0
+    s_cand_f[0, k] = est
 
 
 @njit(cache=True)
@@ -297,8 +295,8 @@ def _split_ends(pool, start, num, groups, g, take, counts) -> None:
 
 
 @njit(cache=True)
-def _push_children(cols, tok, n_tok, factor, gain, agreement, calibrate, params, bank, s_cur,
-                   s_raw, s_cand, s_cand_f, heap, pool, groups, counts, slot, prob, head,
+def _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cur, s_raw,
+                   s_cand, s_cand_f, heap, pool, groups, counts, slot, prob, head,
                    room) -> None:
     """Each cursor offers its best min(breadth, room) continuations, `room` being the nodes the
     tree can still take: a cursor ranks its continuations by one calibrated factor times a
@@ -318,7 +316,7 @@ def _push_children(cols, tok, n_tok, factor, gain, agreement, calibrate, params,
             while child != -1 and taken < limit:
                 raw = cols[child, tk.CNT] / (total + 1)
                 cls = _class(src, total)
-                est = _estimate(factor, calibrate, cls, length, raw, gain)
+                est = _estimate(factor, calibrate, cls, length, raw, gain[src])
                 kid = _new_cursor(s_cur, counts, src, child, 0, 0, length + 1, cls)
                 if cols[child, tk.FIRST] >= 0:  # what expanding it reads first
                     ht.prefetch(cols, cols[child, tk.FIRST])
@@ -334,7 +332,7 @@ def _push_children(cols, tok, n_tok, factor, gain, agreement, calibrate, params,
                 occ = edges[e, sk.E_OCC]
                 raw = occ / (total + 1)
                 cls = _class(src, total)
-                est = _estimate(factor, calibrate, cls, length, raw, gain)
+                est = _estimate(factor, calibrate, cls, length, raw, gain[src])
                 kid = _new_cursor(s_cur, counts, src, edges[e, sk.E_LO], occ,
                                   edges[e, sk.E_HI], length + 1, cls)
                 ht.prefetch(edges, edges[e, sk.E_LO])  # what expanding it reads
@@ -351,15 +349,13 @@ def _push_children(cols, tok, n_tok, factor, gain, agreement, calibrate, params,
                 counts[N_POOL] += size
                 raw = size / (num + 1)
                 cls = _class(src, num)
-                est = _estimate(factor, calibrate, cls, length, raw, gain)
+                est = _estimate(factor, calibrate, cls, length, raw, gain[src])
                 kid = _new_cursor(s_cur, counts, src, at, size, off + 1, length + 1, cls)
                 _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot, t, src, est,
                        kid, raw)
         c = s_cur[C_NEXT, c]
     for k in range(first_cand, counts[N_CAND]):
-        best = s_cand_f[0, k]
-        est = min(MAX_CONDITIONAL, best + (1.0 - best) * s_cand_f[2, k] * agreement)
-        s_cand_f[1, k] = -prob * est
+        s_cand_f[1, k] = -prob * s_cand_f[0, k]
         _heap_push(heap, counts, s_cand_f, k)
 
 
@@ -428,8 +424,7 @@ def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, settings, params, bud
     out_i, ev_i, ev_off, out_p, ev_raw, gain_sums = request_views(r_ints, r_floats, params)
     factor = cal[3]  # calibration factors [class, bucket]
     calibrate = params[P_CALIBRATE] != 0
-    gain = request_gain(gain_sums, settings)
-    agreement = settings[AGREEMENT]
+    gain = request_gains(gain_sums, settings)  # by source
     n_tok = cst[cx.NUM]
     counts[:] = 0
     out_i[0, 0], out_i[1, 0], out_i[2, 0], out_p[0] = tok[n_tok - 1], -1, -1, 1.0
@@ -439,8 +434,8 @@ def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, settings, params, bud
         return 1
     head = _root_cursors(cols, edges, tmeta, tstate, r_ints[R_TRIE_START], tok, prev, cst,
                          params, bank, s_cur, pool, counts, work)
-    _push_children(cols, tok, n_tok, factor, gain, agreement, calibrate, params, bank, s_cur,
-                   s_raw, s_cand, s_cand_f, heap, pool, groups, counts, 0, 1.0, head, budget)
+    _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cur, s_raw,
+                   s_cand, s_cand_f, heap, pool, groups, counts, 0, 1.0, head, budget)
     n, e = 1, 0
     while counts[N_HEAP] > 0 and n <= budget:
         k = _heap_pop(heap, counts, s_cand_f)
@@ -459,8 +454,8 @@ def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, settings, params, bud
         n += 1
         ev_off[n] = e
         if n <= budget:  # children of the last node could never be placed
-            _push_children(cols, tok, n_tok, factor, gain, agreement, calibrate, params, bank,
-                           s_cur, s_raw, s_cand, s_cand_f, heap, pool, groups, counts, n - 1,
-                           prob, s_cand[K_HEAD, k], budget + 1 - n)
+            _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cur,
+                           s_raw, s_cand, s_cand_f, heap, pool, groups, counts, n - 1, prob,
+                           s_cand[K_HEAD, k], budget + 1 - n)
     r_ints[R_PENDING] = n
     return n

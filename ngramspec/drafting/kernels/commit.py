@@ -8,13 +8,14 @@ from numba import njit
 from ngramspec.drafting.calibration import (
     GAIN_ACCEPTED,
     GAIN_DECAY,
+    GAIN_FLOATS,
     GAIN_PREDICTED,
     PRIOR_MASS,
     PRIOR_WEIGHT,
 )
 from ngramspec.drafting.kernels import context as cx
 from ngramspec.drafting.kernels import trie as tk
-from ngramspec.drafting.kernels.build import R_PENDING, bucket, request_gain, request_views
+from ngramspec.drafting.kernels.build import R_PENDING, bucket, request_gains, request_views
 from ngramspec.drafting.sources import NUM_SOURCES
 
 
@@ -25,9 +26,9 @@ def learn(out_i, out_p, n, ev_i, ev_raw, ev_off, accepted_tokens, cal, settings,
     `_learn` is the reference.
 
     cal (float64 [4, NUM_CLASSES, buckets]): raw sums, acceptances, trials, factors;
-    settings: calibration.py's columns; gain: the request's sums (decayed, then this step's
-    judged nodes added: accepted, and each one's conditional estimate without the gain the
-    tree was built with); work: int64 scratch of >= n.
+    settings: calibration.py's columns; gain: the request's sums per source (decayed, then
+    each judged node added to its winning source's: accepted, and its conditional estimate
+    without the gain the tree was built with); work: int64 scratch of >= n.
     """
     accepted = work[:n]
     accepted[:] = 0
@@ -43,16 +44,17 @@ def learn(out_i, out_p, n, ev_i, ev_raw, ev_off, accepted_tokens, cal, settings,
             break
         accepted[nxt] = 1
         node = nxt
-    built_with = request_gain(gain, settings)
-    gain[GAIN_ACCEPTED] *= settings[GAIN_DECAY]
-    gain[GAIN_PREDICTED] *= settings[GAIN_DECAY]
+    built_with = request_gains(gain, settings)  # by source
+    for j in range(GAIN_FLOATS):
+        gain[j] *= settings[GAIN_DECAY]
     for i in range(1, n):
         parent = out_i[1, i]
         if not accepted[parent]:
             continue  # never judged by the verifier: no information
         ok = accepted[i]
-        gain[GAIN_ACCEPTED] += 1.0 if ok else 0.0
-        gain[GAIN_PREDICTED] += out_p[i] / out_p[parent] / built_with
+        src = out_i[2, i]  # the source that won the node
+        gain[2 * src + GAIN_ACCEPTED] += 1.0 if ok else 0.0
+        gain[2 * src + GAIN_PREDICTED] += out_p[i] / out_p[parent] / built_with[src]
         if ok:
             stats[NUM_SOURCES + out_i[2, i]] += 1
         for e in range(ev_off[i], ev_off[i + 1]):
