@@ -16,9 +16,11 @@ several occurrences, which the raw estimate cannot tell apart.
 The request's own recent acceptance then scales the estimate, per source: each request keeps a
 gain per source = (accepted + g) / (predicted + g) over the nodes that source won and the
 verifier judged in the request's recent steps (each step's sums decay by a factor first),
-"predicted" being each node's estimate before the gain. A request that is copying gets deeper
+"predicted" being each node's estimate before the gain (kept per node: the estimate is capped
+at MAX_CONDITIONAL, so dividing the gain back out would understate it and let a copying
+request's gain climb without bound). A request that is copying gets deeper
 chains from the source it copies, one writing new text wider trees. Replays of data/streams:
-2.455 -> 2.486 mean accepted (one gain for all sources: 2.475). Raising a token two sources
+2.454 -> 2.493 mean accepted (one gain for all sources, an earlier variant: 2.475). Raising a token two sources
 agree on (noisy-or, weight 0.25) added 0.2% alone and nothing on top of the per-source gain,
 so the best source's estimate stands alone.
 """
@@ -65,8 +67,9 @@ class SourceCalibrator:
         self.enabled = enabled
         self.prior_weight = prior_weight
         self.prior_factor = prior_factor
-        self.settings = np.array([prior_weight * prior_factor, prior_weight, gain_prior,
-                                  gain_decay], np.float64)
+        # Uncalibrated estimates are raw: no gain scales them (so none is learned or reported).
+        self.settings = np.array([prior_weight * prior_factor, prior_weight,
+                                  gain_prior if enabled else 0.0, gain_decay], np.float64)
         self.reset()
 
     def reset(self) -> None:

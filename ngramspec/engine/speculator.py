@@ -88,8 +88,9 @@ class Speculator:
               cost: VerifyCost) -> list[DraftTree]:
         """Keep the prefix of each tree that pays for its verify cost.
 
-        Trees keep the drafter's raw estimates (what the global calibrator learns from); the
-        sizing uses them calibrated globally and then per request.
+        Trees keep the drafter's estimates (what the global calibrator learns from; they already
+        carry the drafter's per-request, per-source gain); the sizing uses them calibrated
+        globally and then per request.
         """
         calibrated = [self.calibrator.correct(tree.probs) for tree in trees]
         probs = [self.per_request.scale(c.seq.seq_id, p) for c, p in zip(chunks, calibrated)]

@@ -24,7 +24,7 @@ class ReferenceCalibrator:
         self.enabled = enabled
         self.prior_weight = prior_weight
         self.prior_factor = prior_factor
-        self.gain_prior = gain_prior
+        self.gain_prior = gain_prior if enabled else 0.0  # raw estimates: no gain
         self.gain_decay = gain_decay
         self.reset()
 
@@ -38,11 +38,12 @@ class ReferenceCalibrator:
         self._factor = table(self.prior_factor)
         self._prior_mass = self.prior_weight * self.prior_factor
 
-    def estimate(self, cls: int, length: int, raw: float, gain: float = 1.0) -> float:
+    def estimate(self, cls: int, length: int, raw: float,
+                 gain: float = 1.0) -> tuple[float, float]:
         """Calibrated probability that the verifier accepts this token given its parent, for
-        a request whose gain is `gain`."""
-        factor = self._factor[cls][length_bucket(length)] * gain if self.enabled else 1.0
-        return min(MAX_CONDITIONAL, raw * factor)
+        a request whose gain is `gain`, and the same before the gain."""
+        p = raw * self._factor[cls][length_bucket(length)] if self.enabled else raw
+        return min(MAX_CONDITIONAL, p * gain), min(MAX_CONDITIONAL, p)
 
     def gain(self, sums: dict[int, list[float]], source: int) -> float:
         """A request's gain for `source` from its sums {source: [accepted, predicted]}; 1 when
@@ -55,14 +56,13 @@ class ReferenceCalibrator:
     def observe_request(self, sums: dict[int, list[float]],
                         judged: list[tuple[int, bool, float]]) -> None:
         """One verify step of a request: decay its sums, then add each judged node (its
-        winning source, accepted, its conditional estimate as built) to its source's."""
-        built_with = {source: self.gain(sums, source) for source in sums}
+        winning source, accepted, its conditional estimate before the gain) to its source's."""
         for pair in sums.values():
             pair[0] *= self.gain_decay
             pair[1] *= self.gain_decay
-        for source, ok, conditional in judged:
+        for source, ok, base in judged:
             sums[source][0] += 1.0 if ok else 0.0
-            sums[source][1] += conditional / built_with[source]
+            sums[source][1] += base
 
     def observe(self, cls: int, length: int, raw: float, accepted: bool) -> None:
         b = length_bucket(length)

@@ -50,7 +50,8 @@ class _Request:
     context: ReferenceContextIndex
     trie_state: ReferenceTrieState
     sam_matches: dict[str, _SamMatch] = field(default_factory=dict)
-    pending: tuple[DraftTree, list[list[Evidence]]] | None = None
+    # The last tree, its nodes' evidence and their estimates before the request gain.
+    pending: tuple[DraftTree, list[list[Evidence]], list[float]] | None = None
     # Per source: [accepted, predicted] (the request gain: calibration.py)
     gain_sums: dict[int, list[float]] = field(
         default_factory=lambda: {s: [0.0, 0.0] for s in SOURCE_NAMES})
@@ -123,23 +124,24 @@ class ReferenceDrafter:
         trees = []
         for rid, budget in zip(request_ids, budgets):
             req = self._requests[rid]
-            tree, evidence = self._build(req, min(budget, self.config.num_draft_tokens), sams)
-            req.pending = (tree, evidence)
+            req.pending = self._build(req, min(budget, self.config.num_draft_tokens), sams)
+            tree = req.pending[0]
             trees.append(tree)
         return trees
 
     def _build(
         self, req: _Request, budget: int, sams: dict[str, SuffixAutomaton]
-    ) -> tuple[DraftTree, list[list[Evidence]]]:
+    ) -> tuple[DraftTree, list[list[Evidence]], list[float]]:
         tokens, parents, probs, sources = [req.tokens[-1]], [-1], [1.0], [-1]
         evidence: list[list[Evidence]] = [[]]
+        bases = [1.0]
         if budget <= 0:
-            return DraftTree(tokens, parents, probs, sources), evidence
+            return DraftTree(tokens, parents, probs, sources), evidence, bases
         heap: list = []
         gain = {s: self.calibrator.gain(req.gain_sums, s) for s in SOURCE_NAMES}
         seq = self._push_children(heap, 0, 0, 1.0, self._root_cursors(req, sams), budget, gain)
         while heap and len(tokens) <= budget:
-            neg_prob, _, parent, token, source, cursors, proof = heapq.heappop(heap)
+            neg_prob, _, parent, token, source, cursors, proof, base = heapq.heappop(heap)
             if -neg_prob < self.config.min_path_prob:
                 break
             slot = len(tokens)
@@ -148,11 +150,12 @@ class ReferenceDrafter:
             probs.append(-neg_prob)
             sources.append(source)
             evidence.append(proof)
+            bases.append(base)
             self._counts[source] += 1
             if len(tokens) <= budget:  # children of the last node could never be placed
                 seq = self._push_children(heap, seq, slot, -neg_prob, cursors,
                                           budget + 1 - len(tokens), gain)
-        return DraftTree(tokens, parents, probs, sources), evidence
+        return DraftTree(tokens, parents, probs, sources), evidence, bases
 
     def _push_children(
         self, heap: list, seq: int, slot: int, prob: float, cursors: list[Cursor], room: int,
@@ -162,24 +165,25 @@ class ReferenceDrafter:
         cursor offers at most `room` (the nodes the tree can still take) continuations; its
         estimates carry the request's gain for its source."""
         limit = min(self.config.max_bfs_breadth, room)
-        merged: dict[int, list] = {}  # token -> [estimate, source, child cursors, evidence]
+        # token -> [estimate, source, child cursors, evidence, estimate before the gain]
+        merged: dict[int, list] = {}
         estimate = self.calibrator.estimate
         for source, handle, length in cursors:
             for token, child, count, total in self._continuations(source, handle, limit):
                 raw = count / (total + 1)
                 cls = 2 * source + (total <= 1)  # the evidence class (calibration.py)
-                est = estimate(cls, length, raw, gain[source])
+                est, base = estimate(cls, length, raw, gain[source])
                 entry = merged.get(token)
                 if entry is None:
                     merged[token] = [est, source, [(source, child, length + 1)],
-                                     [(cls, length, raw)]]
+                                     [(cls, length, raw)], base]
                     continue
                 if est > entry[0]:
-                    entry[0], entry[1] = est, source
+                    entry[0], entry[1], entry[4] = est, source, base
                 entry[2].append((source, child, length + 1))
                 entry[3].append((cls, length, raw))
-        for token, (est, source, kids, proof) in merged.items():
-            heapq.heappush(heap, (-prob * est, seq, slot, token, source, kids, proof))
+        for token, (est, source, kids, proof, base) in merged.items():
+            heapq.heappush(heap, (-prob * est, seq, slot, token, source, kids, proof, base))
             seq += 1
         return seq
 
@@ -237,16 +241,19 @@ class ReferenceDrafter:
     # ----------------------------------------------------------------- learning
 
     def _learn(self, req: _Request, tree: DraftTree, evidence: list[list[Evidence]],
-               tokens: list[int]) -> None:
-        accepted = set(tree.accepted_nodes(tokens))
-        accepted.add(0)
+               bases: list[float], tokens: list[int]) -> None:
+        path = tree.accepted_nodes(tokens)
+        accepted = {0, *path}
+        # A node the last committed token matched was cut from the verified tree (else the
+        # verifier would have gone on past it): its children were never judged.
+        judging = accepted - {path[-1]} if tokens and len(path) == len(tokens) else accepted
         judged = []
         for node in range(1, len(tree)):
             parent = tree.parents[node]
-            if parent not in accepted:
+            if parent not in judging:
                 continue  # never judged by the verifier: no information
             ok = node in accepted
-            judged.append((tree.sources[node], ok, tree.probs[node] / tree.probs[parent]))
+            judged.append((tree.sources[node], ok, bases[node]))
             if ok:
                 self._counts[NUM_SOURCES + tree.sources[node]] += 1
             for cls, length, raw in evidence[node]:

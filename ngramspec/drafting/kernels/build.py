@@ -75,7 +75,7 @@ class Scratch:
         self.groups = occurrences + 1
         ints = (CURSOR_COLUMNS + 6) * self.cursors + self.pool + 5 * self.groups + 4
         self.ints = np.zeros((threads, padded(ints)), np.int64)
-        self.floats = np.zeros((threads, padded(3 * self.cursors)), np.float64)
+        self.floats = np.zeros((threads, padded(4 * self.cursors)), np.float64)
         work = max(2 * depth, budget + 1, 3 * anchors)
         self.work = np.zeros((threads, padded(work)), np.int64)
         self.counts = np.zeros((threads, padded(sources)), np.int64)
@@ -99,17 +99,19 @@ def tree_sizes(budget: int, anchors: int, num_corpora: int) -> tuple[int, int]:
 
 
 def request_sizes(budget: int, anchors: int, num_corpora: int) -> tuple[int, int]:
-    """(int, float) buffer lengths of one request's tree, evidence and gain (`request_views`)."""
+    """(int, float) buffer lengths of one request's tree, evidence and gain (`request_views`);
+    the gain sums are the floats' last GAIN_FLOATS."""
     nodes, evidence = tree_sizes(budget, anchors, num_corpora)
-    return R_HEAD + 3 * nodes + 2 * evidence + nodes + 1, nodes + evidence + GAIN_FLOATS
+    return R_HEAD + 3 * nodes + 2 * evidence + nodes + 1, 2 * nodes + evidence + GAIN_FLOATS
 
 
 @njit(cache=True)
 def request_views(r_ints, r_floats, params):
     """out_i [3, nodes] (token, parent, source), ev_i [2, evidence] (class, matched length),
     ev_off [nodes + 1] (node i's evidence is ev_off[i]:ev_off[i + 1]), out_p [nodes] (path
-    probabilities), ev_raw [evidence], gain [GAIN_FLOATS] (the request's acceptance sums per
-    source: calibration.py)."""
+    probabilities), ev_raw [evidence], out_base [nodes] (each node's conditional estimate
+    before the request gain), gain [GAIN_FLOATS] (the request's acceptance sums per source:
+    calibration.py)."""
     nodes, evidence = params[P_NODES], r_ints[R_EVIDENCE]
     o = R_HEAD
     out_i = r_ints[o:o + 3 * nodes].reshape((3, nodes))
@@ -117,8 +119,9 @@ def request_views(r_ints, r_floats, params):
     ev_i = r_ints[o:o + 2 * evidence].reshape((2, evidence))
     o += 2 * evidence
     ev_off = r_ints[o:o + nodes + 1]
-    return (out_i, ev_i, ev_off, r_floats[:nodes], r_floats[nodes:nodes + evidence],
-            r_floats[nodes + evidence:nodes + evidence + GAIN_FLOATS])
+    o = nodes + evidence
+    return (out_i, ev_i, ev_off, r_floats[:nodes], r_floats[nodes:o], r_floats[o:o + nodes],
+            r_floats[o + nodes:o + nodes + GAIN_FLOATS])
 
 
 @njit(cache=True)
@@ -137,7 +140,8 @@ def _scratch_views(ints, floats, params):
     o += 5 * groups
     counts = ints[o:o + 4]
     raw = floats[:cursors]
-    cand_f = floats[cursors:3 * cursors].reshape((2, cursors))  # estimate, -path probability
+    # estimate, -path probability, the estimate before the request gain
+    cand_f = floats[cursors:4 * cursors].reshape((3, cursors))
     return cur, raw, cand, cand_f, heap, pool_a, groups_a, counts
 
 
@@ -151,9 +155,11 @@ def bucket(length: int) -> int:
 
 @njit(cache=True, inline="always")
 def _estimate(factor: np.ndarray, calibrate: bool, cls: int, length: int, raw: float,
-              gain: float) -> float:
-    f = factor[cls, bucket(length)] * gain if calibrate else 1.0
-    return min(MAX_CONDITIONAL, raw * f)
+              gain: float) -> tuple:
+    """(estimate, the estimate before the request gain): what ranks the node, and what its
+    gain learns against (a capped estimate divided by the gain would not be it)."""
+    p = raw * factor[cls, bucket(length)] if calibrate else raw
+    return min(MAX_CONDITIONAL, p * gain), min(MAX_CONDITIONAL, p)
 
 
 @njit(cache=True, inline="always")
@@ -231,14 +237,14 @@ def _new_cursor(cur: np.ndarray, counts: np.ndarray, src: int, a: int, b: int, o
 
 
 @njit(cache=True)
-def _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot, token, src, est, kid,
-           raw) -> None:
+def _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot, token, src, est, base,
+           kid, raw) -> None:
     """Merge a continuation into this expansion's candidates (ReferenceDrafter._push_children)."""
     s_raw[kid] = raw
     for k in range(first_cand, counts[N_CAND]):
         if s_cand[K_TOK, k] == token:
             if est > s_cand_f[0, k]:
-                s_cand_f[0, k], s_cand[K_SRC, k] = est, src
+                s_cand_f[0, k], s_cand_f[2, k], s_cand[K_SRC, k] = est, base, src
             s_cur[C_NEXT, s_cand[K_TAIL, k]] = kid
             s_cand[K_TAIL, k] = kid
             return
@@ -246,7 +252,7 @@ def _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot, token, src,
     counts[N_CAND] = k + 1
     s_cand[K_SLOT, k], s_cand[K_TOK, k], s_cand[K_SRC, k] = slot, token, src
     s_cand[K_HEAD, k], s_cand[K_TAIL, k] = kid, kid
-    s_cand_f[0, k] = est
+    s_cand_f[0, k], s_cand_f[2, k] = est, base
 
 
 @njit(cache=True)
@@ -316,12 +322,12 @@ def _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cu
             while child != -1 and taken < limit:
                 raw = cols[child, tk.CNT] / (total + 1)
                 cls = _class(src, total)
-                est = _estimate(factor, calibrate, cls, length, raw, gain[src])
+                est, base = _estimate(factor, calibrate, cls, length, raw, gain[src])
                 kid = _new_cursor(s_cur, counts, src, child, 0, 0, length + 1, cls)
                 if cols[child, tk.FIRST] >= 0:  # what expanding it reads first
                     ht.prefetch(cols, cols[child, tk.FIRST])
                 _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot,
-                       cols[child, tk.TOK], src, est, kid, raw)
+                       cols[child, tk.TOK], src, est, base, kid, raw)
                 child = cols[child, tk.NEXT]
                 taken += 1
         elif src == CORPUS:
@@ -332,12 +338,12 @@ def _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cu
                 occ = edges[e, sk.E_OCC]
                 raw = occ / (total + 1)
                 cls = _class(src, total)
-                est = _estimate(factor, calibrate, cls, length, raw, gain[src])
+                est, base = _estimate(factor, calibrate, cls, length, raw, gain[src])
                 kid = _new_cursor(s_cur, counts, src, edges[e, sk.E_LO], occ,
                                   edges[e, sk.E_HI], length + 1, cls)
                 ht.prefetch(edges, edges[e, sk.E_LO])  # what expanding it reads
                 _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot,
-                       edges[e, sk.E_TOKEN], src, est, kid, raw)
+                       edges[e, sk.E_TOKEN], src, est, base, kid, raw)
         else:
             start, num, off = s_cur[C_A, c], s_cur[C_B, c], s_cur[C_OFF, c]
             g = _context_groups(tok, n_tok, pool, start, num, off, groups)
@@ -349,10 +355,10 @@ def _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cu
                 counts[N_POOL] += size
                 raw = size / (num + 1)
                 cls = _class(src, num)
-                est = _estimate(factor, calibrate, cls, length, raw, gain[src])
+                est, base = _estimate(factor, calibrate, cls, length, raw, gain[src])
                 kid = _new_cursor(s_cur, counts, src, at, size, off + 1, length + 1, cls)
                 _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot, t, src, est,
-                       kid, raw)
+                       base, kid, raw)
         c = s_cur[C_NEXT, c]
     for k in range(first_cand, counts[N_CAND]):
         s_cand_f[1, k] = -prob * s_cand_f[0, k]
@@ -421,13 +427,15 @@ def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, settings, params, bud
     is also left in r_ints[R_PENDING] for the commit that follows."""
     s_cur, s_raw, s_cand, s_cand_f, heap, pool, groups, counts = _scratch_views(
         s_ints, s_floats, params)
-    out_i, ev_i, ev_off, out_p, ev_raw, gain_sums = request_views(r_ints, r_floats, params)
+    out_i, ev_i, ev_off, out_p, ev_raw, out_base, gain_sums = request_views(
+        r_ints, r_floats, params)
     factor = cal[3]  # calibration factors [class, bucket]
     calibrate = params[P_CALIBRATE] != 0
     gain = request_gains(gain_sums, settings)  # by source
     n_tok = cst[cx.NUM]
     counts[:] = 0
     out_i[0, 0], out_i[1, 0], out_i[2, 0], out_p[0] = tok[n_tok - 1], -1, -1, 1.0
+    out_base[0] = 1.0
     ev_off[0], ev_off[1] = 0, 0
     r_ints[R_PENDING] = 1
     if budget <= 0:
@@ -444,7 +452,7 @@ def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, settings, params, bud
             break
         src = s_cand[K_SRC, k]
         out_i[0, n], out_i[1, n], out_i[2, n] = s_cand[K_TOK, k], s_cand[K_SLOT, k], src
-        out_p[n] = prob
+        out_p[n], out_base[n] = prob, s_cand_f[2, k]
         c = s_cand[K_HEAD, k]
         while c != -1:
             ev_i[0, e], ev_i[1, e], ev_raw[e] = s_cur[C_CLS, c], s_cur[C_LEN, c] - 1, s_raw[c]

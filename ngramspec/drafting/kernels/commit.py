@@ -15,12 +15,12 @@ from ngramspec.drafting.calibration import (
 )
 from ngramspec.drafting.kernels import context as cx
 from ngramspec.drafting.kernels import trie as tk
-from ngramspec.drafting.kernels.build import R_PENDING, bucket, request_gains, request_views
+from ngramspec.drafting.kernels.build import R_PENDING, bucket, request_views
 from ngramspec.drafting.sources import NUM_SOURCES
 
 
 @njit(cache=True)
-def learn(out_i, out_p, n, ev_i, ev_raw, ev_off, accepted_tokens, cal, settings, gain, stats,
+def learn(out_i, out_base, n, ev_i, ev_raw, ev_off, accepted_tokens, cal, settings, gain, stats,
           work) -> None:
     """Calibrate on every node the verifier judged (its parent accepted); tests/oracles/drafter.py
     `_learn` is the reference.
@@ -28,12 +28,15 @@ def learn(out_i, out_p, n, ev_i, ev_raw, ev_off, accepted_tokens, cal, settings,
     cal (float64 [4, NUM_CLASSES, buckets]): raw sums, acceptances, trials, factors;
     settings: calibration.py's columns; gain: the request's sums per source (decayed, then
     each judged node added to its winning source's: accepted, and its conditional estimate
-    without the gain the tree was built with); work: int64 scratch of >= n.
+    before the gain, out_base); work: int64 scratch of >= n.
+
+    The node the last committed token matched was not verified when the engine cut the tree
+    short (the bonus token is the target's own): its children were never judged.
     """
     accepted = work[:n]
     accepted[:] = 0
     accepted[0] = 1
-    node = 0
+    node, matched = 0, 0
     for t in accepted_tokens:
         nxt = -1
         for i in range(node + 1, n):
@@ -43,18 +46,19 @@ def learn(out_i, out_p, n, ev_i, ev_raw, ev_off, accepted_tokens, cal, settings,
         if nxt < 0:
             break
         accepted[nxt] = 1
-        node = nxt
-    built_with = request_gains(gain, settings)  # by source
+        node, matched = nxt, matched + 1
+    if matched and matched == len(accepted_tokens):
+        accepted[node] = 2  # matched by the last token: its children were not judged
     for j in range(GAIN_FLOATS):
         gain[j] *= settings[GAIN_DECAY]
     for i in range(1, n):
         parent = out_i[1, i]
-        if not accepted[parent]:
+        if accepted[parent] != 1:
             continue  # never judged by the verifier: no information
         ok = accepted[i]
         src = out_i[2, i]  # the source that won the node
         gain[2 * src + GAIN_ACCEPTED] += 1.0 if ok else 0.0
-        gain[2 * src + GAIN_PREDICTED] += out_p[i] / out_p[parent] / built_with[src]
+        gain[2 * src + GAIN_PREDICTED] += out_base[i]
         if ok:
             stats[NUM_SOURCES + out_i[2, i]] += 1
         for e in range(ev_off[i], ev_off[i + 1]):
@@ -74,8 +78,9 @@ def commit_one(r_ints, r_floats, params, new, trie_from, cal, settings, stats, t
     token). 0, or -2 when the trie was not grown first (a bug)."""
     pending = r_ints[R_PENDING]
     if pending:
-        out_i, ev_i, ev_off, out_p, ev_raw, gain = request_views(r_ints, r_floats, params)
-        learn(out_i, out_p, pending, ev_i, ev_raw, ev_off, new, cal, settings, gain, stats, work)
+        out_i, ev_i, ev_off, _, ev_raw, out_base, gain = request_views(r_ints, r_floats, params)
+        learn(out_i, out_base, pending, ev_i, ev_raw, ev_off, new, cal, settings, gain, stats,
+              work)
         r_ints[R_PENDING] = 0
     start = st[cx.NUM] if trie_from < 0 else trie_from
     cx.append(tok, prev, hashes, table, st, new)
