@@ -18,11 +18,11 @@ gain per source = (accepted + g) / (predicted + g) over the nodes that source wo
 verifier judged in the request's recent steps (each step's sums decay by a factor first),
 "predicted" being each node's estimate before the gain (kept per node: the estimate is capped
 at MAX_CONDITIONAL, so dividing the gain back out would understate it and let a copying
-request's gain climb without bound). A request that is copying gets deeper
-chains from the source it copies, one writing new text wider trees. Replays of data/streams:
-2.454 -> 2.493 mean accepted (one gain for all sources, an earlier variant: 2.475). Raising a token two sources
-agree on (noisy-or, weight 0.25) added 0.2% alone and nothing on top of the per-source gain,
-so the best source's estimate stands alone.
+request's gain climb without bound). A request that is copying gets deeper chains from the
+source it copies, one writing new text wider trees. Replays of data/streams: 2.454 -> 2.493
+mean accepted (one gain for all sources, an earlier variant: 2.475). Raising a token two
+sources agree on (noisy-or, weight 0.25) added 0.2% alone and nothing on top of the
+per-source gain, so the best source's estimate stands alone.
 """
 
 from __future__ import annotations
@@ -75,14 +75,6 @@ class SourceCalibrator:
     def reset(self) -> None:
         self.cal = np.zeros((4, NUM_CLASSES, NUM_BUCKETS), np.float64)
         self.cal[3] = self.prior_factor
-
-    def gain(self, sums: list[float]) -> float:
-        """A source's request gain from its [accepted, predicted] sums (kernels/build.py
-        `request_gain`, for reading)."""
-        g = float(self.settings[GAIN_PRIOR])
-        if g <= 0.0:
-            return 1.0
-        return (sums[GAIN_ACCEPTED] + g) / (sums[GAIN_PREDICTED] + g)
 
     def stats(self) -> dict[str, dict[str, list[float]]]:
         """Per class ("context", "context/unique", ...): trials, acceptance rate and learned

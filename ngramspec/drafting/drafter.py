@@ -361,9 +361,9 @@ class NgramDrafter:
     def request_gains(self, request_id: str) -> dict[str, float]:
         """The request's acceptance gain per source (calibration.py), as its next tree uses."""
         self._flush()
-        sums = self._requests[request_id].floats[-GAIN_FLOATS:].tolist()
-        return {name: self.calibrator.gain(sums[2 * s:2 * s + 2])
-                for s, name in SOURCE_NAMES.items()}
+        gains = bk.request_gains(self._requests[request_id].floats[-GAIN_FLOATS:],
+                                 self.calibrator.settings)
+        return {name: gains[s] for s, name in SOURCE_NAMES.items()}
 
     def stats(self) -> dict:
         """Drafted/accepted nodes per winning source, calibration tables, trie size."""

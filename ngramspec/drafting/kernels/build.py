@@ -53,6 +53,7 @@ N_CUR, N_CAND, N_HEAP, N_POOL = range(4)
 # the layout it was built under).
 R_TRIE_START, R_PENDING, R_EVIDENCE, R_HEAD = 0, 1, 2, 3
 BUCKETS = np.asarray(BUCKET_EDGES, np.int64)
+assert (CONTEXT, TRIE, CORPUS) == (0, 1, 2), "request_gains indexes its tuple by source id"
 
 
 class Scratch:
@@ -174,7 +175,7 @@ def request_gain(gain: np.ndarray, settings: np.ndarray, src: int) -> float:
 
 @njit(cache=True, inline="always")
 def request_gains(gain: np.ndarray, settings: np.ndarray) -> tuple:
-    """`request_gain` of each source, indexed by source id."""
+    """`request_gain` of each source, indexed by source id (asserted 0, 1, 2 below)."""
     return (request_gain(gain, settings, CONTEXT), request_gain(gain, settings, TRIE),
             request_gain(gain, settings, CORPUS))
 

@@ -60,7 +60,7 @@ def learn(out_i, out_base, n, ev_i, ev_raw, ev_off, accepted_tokens, cal, settin
         gain[2 * src + GAIN_ACCEPTED] += 1.0 if ok else 0.0
         gain[2 * src + GAIN_PREDICTED] += out_base[i]
         if ok:
-            stats[NUM_SOURCES + out_i[2, i]] += 1
+            stats[NUM_SOURCES + src] += 1
         for e in range(ev_off[i], ev_off[i + 1]):
             s, b = ev_i[0, e], bucket(ev_i[1, e])
             cal[0, s, b] += ev_raw[e]

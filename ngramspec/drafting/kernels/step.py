@@ -185,8 +185,8 @@ def _propose(ops, tokens, batch, out, out_p, addr, size, params, min_path_prob, 
         _raw(s_floats)
     states, trans, corpus_edges, roots = _raw(states), _raw(trans), _raw(corpus_edges), _raw(roots)
     addr, size, params, cal, stats = _raw(addr), _raw(size), _raw(params), _raw(cal), _raw(stats)
-    cols, edges, meta, work, settings = _raw(cols), _raw(edges), _raw(meta), _raw(work), \
-        _raw(settings)
+    cols, edges, meta, work = _raw(cols), _raw(edges), _raw(meta), _raw(work)
+    settings = _raw(settings)
     thread_stats = _raw(thread_stats)
     failed = apply_queue(ops, tokens, addr, size, params, cal, settings, stats, cols, edges, runs,
                          meta, work[0])
