@@ -106,7 +106,7 @@ def request_sizes(budget: int, anchors: int, num_corpora: int) -> tuple[int, int
     return R_HEAD + 3 * nodes + 2 * evidence + nodes + 1, 2 * nodes + evidence + GAIN_FLOATS
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def request_views(r_ints, r_floats, params):
     """out_i [3, nodes] (token, parent, source), ev_i [2, evidence] (class, matched length),
     ev_off [nodes + 1] (node i's evidence is ev_off[i]:ev_off[i + 1]), out_p [nodes] (path
@@ -125,7 +125,7 @@ def request_views(r_ints, r_floats, params):
             r_floats[o + nodes:o + nodes + GAIN_FLOATS])
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _scratch_views(ints, floats, params):
     cursors, pool, groups = params[P_CURSORS], params[P_POOL], params[P_GROUPS]
     o = 0
@@ -186,13 +186,13 @@ def _class(src: int, occurrences: int) -> int:
     return 2 * src + (1 if occurrences <= 1 else 0)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _heap_less(cand_f: np.ndarray, a: int, b: int) -> bool:
     pa, pb = cand_f[1, a], cand_f[1, b]
     return pa < pb or (pa == pb and a < b)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _heap_push(heap: np.ndarray, counts: np.ndarray, cand_f: np.ndarray, c: int) -> None:
     i = counts[N_HEAP]
     counts[N_HEAP] = i + 1
@@ -205,7 +205,7 @@ def _heap_push(heap: np.ndarray, counts: np.ndarray, cand_f: np.ndarray, c: int)
     heap[i] = c
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _heap_pop(heap: np.ndarray, counts: np.ndarray, cand_f: np.ndarray) -> int:
     top = heap[0]
     size = counts[N_HEAP] - 1
@@ -227,7 +227,7 @@ def _heap_pop(heap: np.ndarray, counts: np.ndarray, cand_f: np.ndarray) -> int:
     return top
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _new_cursor(cur: np.ndarray, counts: np.ndarray, src: int, a: int, b: int, off: int,
                 length: int, cls: int) -> int:
     c = counts[N_CUR]
@@ -237,7 +237,7 @@ def _new_cursor(cur: np.ndarray, counts: np.ndarray, src: int, a: int, b: int, o
     return c
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot, token, src, est, base,
            kid, raw) -> None:
     """Merge a continuation into this expansion's candidates (ReferenceDrafter._push_children)."""
@@ -256,7 +256,7 @@ def _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot, token, src,
     s_cand_f[0, k], s_cand_f[2, k] = est, base
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _context_groups(tok, n_tok, pool, start, num, off, groups) -> int:
     """Group the ends by the token `off + 1` after them; stable-sort groups by size desc."""
     g = 0
@@ -285,7 +285,7 @@ def _context_groups(tok, n_tok, pool, start, num, off, groups) -> int:
     return g
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _split_ends(pool, start, num, groups, g, take, counts) -> None:
     """Copy the ends of the `take` largest groups to the pool, group after group (one pass)."""
     for j in range(g):
@@ -301,7 +301,7 @@ def _split_ends(pool, start, num, groups, g, take, counts) -> None:
             groups[4, gid] += 1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cur, s_raw,
                    s_cand, s_cand_f, heap, pool, groups, counts, slot, prob, head,
                    room) -> None:
@@ -375,7 +375,7 @@ def _link(s_cur, head, tail, c) -> tuple:
     return head, c
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _root_cursors(cols, edges, tmeta, tstate, trie_start, tok, prev, cst, params, bank, s_cur,
                   pool, counts, work) -> int:
     """Context anchors, then distinct-count trie anchors, then each corpus's anchors."""
@@ -419,7 +419,7 @@ def _root_cursors(cols, edges, tmeta, tstate, trie_start, tok, prev, cst, params
     return head
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, settings, params, budget,
           min_path_prob, s_ints, s_floats, r_ints, r_floats, stats, bank, work) -> int:
     """Fill the request's tree and evidence (`request_views`) from its context, the trie and the
@@ -443,10 +443,14 @@ def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, settings, params, bud
         return 1
     head = _root_cursors(cols, edges, tmeta, tstate, r_ints[R_TRIE_START], tok, prev, cst,
                          params, bank, s_cur, pool, counts, work)
-    _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cur, s_raw,
-                   s_cand, s_cand_f, heap, pool, groups, counts, 0, 1.0, head, budget)
-    n, e = 1, 0
-    while counts[N_HEAP] > 0 and n <= budget:
+    # Expand the root, then each placed node: one call site, since the kernels inline it.
+    n, e, parent, prob = 1, 0, 0, 1.0
+    while True:
+        _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cur, s_raw,
+                       s_cand, s_cand_f, heap, pool, groups, counts, parent, prob, head,
+                       budget + 1 - n)
+        if counts[N_HEAP] == 0:
+            break
         k = _heap_pop(heap, counts, s_cand_f)
         prob = -s_cand_f[1, k]
         if prob < min_path_prob:
@@ -462,9 +466,8 @@ def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, settings, params, bud
         stats[src] += 1
         n += 1
         ev_off[n] = e
-        if n <= budget:  # children of the last node could never be placed
-            _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cur,
-                           s_raw, s_cand, s_cand_f, heap, pool, groups, counts, n - 1, prob,
-                           s_cand[K_HEAD, k], budget + 1 - n)
+        if n > budget:  # children of the last node could never be placed
+            break
+        parent, head = n - 1, s_cand[K_HEAD, k]
     r_ints[R_PENDING] = n
     return n

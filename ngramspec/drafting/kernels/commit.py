@@ -19,7 +19,7 @@ from ngramspec.drafting.kernels.build import R_PENDING, bucket, request_views
 from ngramspec.drafting.sources import NUM_SOURCES
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def learn(out_i, out_base, n, ev_i, ev_raw, ev_off, accepted_tokens, cal, settings, gain, stats,
           work) -> None:
     """Calibrate on every node the verifier judged (its parent accepted); tests/oracles/drafter.py
@@ -70,7 +70,7 @@ def learn(out_i, out_base, n, ev_i, ev_raw, ev_off, accepted_tokens, cal, settin
                 cal[0, s, b] + settings[PRIOR_WEIGHT])
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def commit_one(r_ints, r_floats, params, new, trie_from, cal, settings, stats, tok, prev, hashes,
                table, st, cols, edges, runs, meta, tstate, work) -> int:
     """One queued operation of a request (kernels/step.py): learn from its pending tree, index

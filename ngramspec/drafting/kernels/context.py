@@ -44,7 +44,7 @@ def _slot(table: np.ndarray, key: np.uint64) -> int:
     return i
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def append(tok: np.ndarray, prev: np.ndarray, hashes: np.ndarray, table: np.ndarray,
            st: np.ndarray, new: np.ndarray) -> None:
     """Index `new`: each window's record gets the new latest end and one more occurrence."""
@@ -91,7 +91,7 @@ def rehash(table: np.ndarray, new_table: np.ndarray) -> None:
             new_table[j, 0], new_table[j, 1] = table[i, 0], table[i, 1]
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def anchors(prev: np.ndarray, st: np.ndarray, max_match: int, max_anchors: int,
             max_occurrences: int, out_len: np.ndarray, out_start: np.ndarray,
             out_num: np.ndarray, pool: np.ndarray, pool_used: int) -> tuple:

@@ -62,7 +62,7 @@ def home(table: np.ndarray, key: np.int64) -> np.int64:
     return np.int64(mix(key) & np.uint64(table.shape[0] - 1))
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def find(table: np.ndarray, cols: np.ndarray, ca: int, cb: int, a: int, b: int) -> int:
     """Node n with (cols[n, ca], cols[n, cb]) == (a, b), or -1."""
     mask = table.shape[0] - 1
@@ -76,7 +76,7 @@ def find(table: np.ndarray, cols: np.ndarray, ca: int, cb: int, a: int, b: int) 
         i = (i + 1) & mask
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def slot_of(table: np.ndarray, node: int, key: np.int64) -> int:
     mask = table.shape[0] - 1
     i = home(table, key)
@@ -85,7 +85,7 @@ def slot_of(table: np.ndarray, node: int, key: np.int64) -> int:
     return i
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def insert(table: np.ndarray, node: int, key: np.int64) -> None:
     mask = table.shape[0] - 1
     i = home(table, key)
@@ -114,7 +114,7 @@ def remove(table: np.ndarray, cols: np.ndarray, ca: int, cb: int, node: int) -> 
     table[i] = EMPTY
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def replace(table: np.ndarray, cols: np.ndarray, ca: int, cb: int, old: int, new: int) -> None:
     """Swap the node stored for a key for another node with the same key."""
     table[slot_of(table, old, pair_key(cols[old, ca], cols[old, cb]))] = new

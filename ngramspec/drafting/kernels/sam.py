@@ -74,7 +74,7 @@ class CorpusBank:
         return match
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def transition(states, trans, state, token) -> int:
     """The state reached from `state` on `token`, or -1 (binary search of the sorted edges)."""
     lo, hi = states[state, S_EDGE], states[state + 1, S_EDGE]
@@ -90,7 +90,7 @@ def transition(states, trans, state, token) -> int:
     return -1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def advance(states, trans, root, state, length, token, cap) -> tuple:
     """SuffixAutomaton.advance: (state, length) of the longest suffix <= cap after `token`."""
     if token == SEPARATOR:
@@ -112,7 +112,7 @@ def advance(states, trans, root, state, length, token, cap) -> tuple:
     return state, length
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def catch_up(states, trans, roots, match, tok, lo, n, cap) -> None:
     """Feed every corpus's match the context tokens it has not seen (tok[lo:n] are the
     request's own tokens); a row marked -1 starts over from the last `cap` of them, which gives

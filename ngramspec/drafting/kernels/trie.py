@@ -34,7 +34,7 @@ ROOT = 0
 # ---------------------------------------------------------------- sibling list
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _unlink(cols: np.ndarray, x: int) -> None:
     p, nx, pv = cols[x, PAR], cols[x, NEXT], cols[x, PREV]
     first = cols[p, FIRST]
@@ -70,7 +70,7 @@ def _insert_before(cols: np.ndarray, x: int, y: int) -> None:
         _insert_after(cols, x, cols[y, PREV])
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _append_child(cols: np.ndarray, p: int, x: int) -> None:
     first = cols[p, FIRST]
     cols[x, NEXT] = -1
@@ -81,7 +81,7 @@ def _append_child(cols: np.ndarray, p: int, x: int) -> None:
         cols[last, NEXT], cols[x, PREV], cols[first, PREV] = x, last, x
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _swap(cols: np.ndarray, a: int, b: int) -> None:
     """Exchange the list positions of siblings a (earlier) and b (later)."""
     if cols[a, NEXT] == b:
@@ -98,7 +98,7 @@ def _swap(cols: np.ndarray, a: int, b: int) -> None:
 # ---------------------------------------------------------------- leaf LRU
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _lru_remove(cols: np.ndarray, meta: np.ndarray, n: int) -> None:
     p, x = cols[n, LPREV], cols[n, LNEXT]
     if p != -1:
@@ -111,7 +111,7 @@ def _lru_remove(cols: np.ndarray, meta: np.ndarray, n: int) -> None:
         meta[LRU_TAIL] = p
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _lru_append(cols: np.ndarray, meta: np.ndarray, n: int) -> None:
     tail = meta[LRU_TAIL]
     cols[n, LPREV], cols[n, LNEXT] = tail, -1
@@ -122,7 +122,7 @@ def _lru_append(cols: np.ndarray, meta: np.ndarray, n: int) -> None:
     meta[LRU_TAIL] = n
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _lru_push_front(cols: np.ndarray, meta: np.ndarray, n: int) -> None:
     head = meta[LRU_HEAD]
     cols[n, LPREV], cols[n, LNEXT] = -1, head
@@ -136,19 +136,19 @@ def _lru_push_front(cols: np.ndarray, meta: np.ndarray, n: int) -> None:
 # ---------------------------------------------------------------- counting
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _same_before(cols: np.ndarray, n: int, c: int) -> bool:
     """n has a previous sibling of count c."""
     return cols[cols[n, PAR], FIRST] != n and cols[cols[n, PREV], CNT] == c
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _same_after(cols: np.ndarray, n: int, c: int) -> bool:
     """n has a next sibling of count c."""
     return cols[n, NEXT] != -1 and cols[cols[n, NEXT], CNT] == c
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _increment(cols: np.ndarray, runs: np.ndarray, child: int) -> None:
     """count += 1, then swap with the head of the old count's run (ReferenceTrie._bubble_up).
 
@@ -243,7 +243,7 @@ def _allocate(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, meta: np.nd
     return v
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _count_child(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, meta: np.ndarray,
                  parent: int, token: int, old: np.ndarray, num_old: int, new: np.ndarray,
                  num_new: int) -> int:
@@ -277,7 +277,7 @@ def _count_child(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, meta: np
 # ---------------------------------------------------------------- request anchors
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def child_of(cols: np.ndarray, edges: np.ndarray, parent: int, token: int) -> int:
     first = cols[parent, FIRST]  # the most frequent child: checked before any hashing
     if first == -1:
@@ -289,7 +289,7 @@ def child_of(cols: np.ndarray, edges: np.ndarray, parent: int, token: int) -> in
     return ht.find(edges, cols, PAR, TOK, parent, token)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def lookup(cols: np.ndarray, edges: np.ndarray, ctx: np.ndarray, lo: int, hi: int) -> int:
     node = ROOT
     for i in range(lo, hi):
@@ -309,7 +309,7 @@ def run_length(ctx: np.ndarray, n: int, cap: int) -> int:
     return min(cap, n)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def refresh(cols: np.ndarray, edges: np.ndarray, meta: np.ndarray, state: np.ndarray,
             ctx: np.ndarray, n: int) -> None:
     """Re-probe the stale or missing suffix anchors of ctx[:n] (ReferenceTrie._refresh)."""
@@ -329,7 +329,7 @@ def refresh(cols: np.ndarray, edges: np.ndarray, meta: np.ndarray, state: np.nda
         state[1 + depth + k] = cols[a, VER] if a >= 0 else 0
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def extend(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, meta: np.ndarray,
            state: np.ndarray, ctx: np.ndarray, start: int, end: int, work: np.ndarray) -> int:
     """Count the n-grams ending at ctx[start:end] (ReferenceTrie._advance per token); 0 or -2.
