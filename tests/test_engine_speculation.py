@@ -385,8 +385,8 @@ def test_thousand_mixed_requests_leave_no_slot_behind(tiny_model_dirs):
 
 def test_llm_takes_a_drafter_config_and_a_custom_drafter_apart(tiny_model_dirs):
     """`drafter=` stays the DrafterConfig option; an injected drafter needs speculation on."""
-    llm = _tiny_llm(tiny_model_dirs, speculative="ngram", drafter=DrafterConfig(max_trie_depth=5))
-    assert llm.engine.speculator.drafter.config.max_trie_depth == 5
+    llm = _tiny_llm(tiny_model_dirs, speculative="ngram", drafter=DrafterConfig(max_trie_depth=7))
+    assert llm.engine.speculator.drafter.config.max_trie_depth == 7
     with pytest.raises(ValueError, match="speculation is off"):
         _tiny_llm(tiny_model_dirs, custom_drafter=RandomTreeDrafter([1, 2]))
 

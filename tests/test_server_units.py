@@ -254,7 +254,7 @@ def test_learned_corpus_round_trip(tmp_path: Path) -> None:
     learned.flush(target)
     assert learned.info(target)["num_nodes"] == 1
     with pytest.raises(CorruptFileError, match="depth"):
-        state.restore_learned(_fake_engine(max_trie_depth=5), path)
+        state.restore_learned(_fake_engine(max_trie_depth=7), path)
     path.write_bytes(path.read_bytes()[:-3])
     with pytest.raises(CorruptFileError):
         state.restore_learned(_fake_engine(), path)
