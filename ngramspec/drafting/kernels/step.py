@@ -27,7 +27,6 @@ from numba.extending import intrinsic
 
 from ngramspec.drafting.kernels import build as bk
 from ngramspec.drafting.kernels import commit as cm
-from ngramspec.drafting.kernels import hashtab as ht
 
 F_TOK, F_PREV, F_HASHES, F_TABLE, F_ST, F_TSTATE, F_INTS, F_FLOATS, F_MATCHES = range(9)
 NUM_FIELDS = 9
@@ -115,42 +114,6 @@ def _raw(a):
 
 
 @njit(cache=True, inline="always")
-def _prefetch_span(a, lo, hi, per_line):
-    for j in range(lo, hi, per_line):
-        ht.prefetch(a, j)
-
-
-@njit(cache=True)
-def _prefetch_request(addr, size, slot, params, cols, stage) -> None:
-    """Ask the cache for what the next request's kernels read first, while this one runs:
-    stage 0 its fixed lines (counts, trie state, tree header), stage 1 the lines found
-    through them (the newest token's context rows, its trie anchors)."""
-    st = _view(addr, size, slot, F_ST, np.int64)
-    tstate = _view(addr, size, slot, F_TSTATE, np.int32)
-    if stage == 0:
-        _prefetch_span(st, 0, st.shape[0], 8)
-        _prefetch_span(tstate, 0, tstate.shape[0], 16)
-        r_ints = _view(addr, size, slot, F_INTS, np.int64)
-        _prefetch_span(r_ints, 0, bk.R_HEAD + 3 * params[bk.P_NODES], 8)
-        r_floats = _view(addr, size, slot, F_FLOATS, np.float64)
-        _prefetch_span(r_floats, 0, params[bk.P_NODES], 8)
-        ht.prefetch(r_floats, r_floats.shape[0] - 1)
-        hashes = _view(addr, size, slot, F_HASHES, np.uint64)
-        _prefetch_span(hashes, 0, hashes.shape[0], 8)
-        return
-    n = st[0]
-    if n > 0:
-        tok = _view(addr, size, slot, F_TOK, np.int32)
-        ht.prefetch(tok, n - 1)
-        prev = _view(addr, size, slot, F_PREV, np.int32)
-        ht.prefetch(prev, (n - 1) * params[bk.P_MAX_MATCH])
-    for k in range(min(tstate[0], (tstate.shape[0] - 1) // 2)):
-        a = tstate[1 + k]
-        if a >= 0:
-            ht.prefetch(cols, a)
-
-
-@njit(cache=True, inline="always")
 def _apply_one(addr, size, slot, new, trie_from, params, cal, settings, stats, cols, edges, runs,
                meta, work) -> int:
     return cm.commit_one(
@@ -170,15 +133,7 @@ def apply_queue(ops, tokens, addr, size, params, cal, settings, stats, cols, edg
     cal, settings, stats, cols = _raw(cal), _raw(settings), _raw(stats), _raw(cols)
     edges, runs, meta, work = _raw(edges), _raw(runs), _raw(meta), _raw(work)
     at = 0
-    if ops.shape[0] >= 3:
-        _prefetch_request(addr, size, ops[O_SLOT], params, cols, 0)
-    if ops.shape[0] >= 6:
-        _prefetch_request(addr, size, ops[3 + O_SLOT], params, cols, 0)
     for i in range(0, ops.shape[0], 3):
-        if i + 6 < ops.shape[0]:
-            _prefetch_request(addr, size, ops[i + 6 + O_SLOT], params, cols, 0)
-        if i + 3 < ops.shape[0]:
-            _prefetch_request(addr, size, ops[i + 3 + O_SLOT], params, cols, 1)
         count = ops[i + O_COUNT]
         failed = _apply_one(addr, size, ops[i + O_SLOT], tokens[at:at + count],
                             ops[i + O_TRIE_FROM], params, cal, settings, stats, cols, edges, runs,
@@ -230,13 +185,7 @@ def build_block(lo, hi, t, batch, out, out_p, addr, size, params, min_path_prob,
     addr, size, params, cal, stats = _raw(addr), _raw(size), _raw(params), _raw(cal), _raw(stats)
     cols, edges, meta, work, settings = _raw(cols), _raw(edges), _raw(meta), _raw(work), \
         _raw(settings)
-    for i in range(lo, min(lo + 2, hi)):
-        _prefetch_request(addr, size, batch[i], params, cols, 0)
     for i in range(lo, hi):
-        if i + 2 < hi:
-            _prefetch_request(addr, size, batch[i + 2], params, cols, 0)
-        if i + 1 < hi:
-            _prefetch_request(addr, size, batch[i + 1], params, cols, 1)
         _build_one(i, t, batch, out, out_p, addr, size, params, min_path_prob, cal, settings,
                    stats, s_ints, s_floats, cols, edges, meta, states, trans, corpus_edges,
                    roots, work)

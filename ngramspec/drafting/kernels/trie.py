@@ -315,8 +315,7 @@ def refresh(cols: np.ndarray, edges: np.ndarray, meta: np.ndarray, state: np.nda
     """Re-probe the stale or missing suffix anchors of ctx[:n] (ReferenceTrie._refresh)."""
     depth = meta[DEPTH]
     limit = run_length(ctx, n, depth)
-    if state[0] > limit:
-        state[0] = limit
+    state[0] = min(state[0], limit)
     for k in range(limit):
         if k < state[0]:
             a = state[1 + k]
