@@ -201,14 +201,8 @@ def _propose(ops, tokens, batch, out, out_p, addr, size, params, min_path_prob, 
     takes the t-th of T contiguous blocks of the batch (T = the scratch's rows) and the trees are
     the same whatever runs the blocks: `propose` one after another, `propose_parallel` on
     threads. The batch must not name a slot twice (two threads would build it). The request's
-    own buffers keep the tree and its evidence for the commit that follows."""
-    batch, out, out_p, s_ints, s_floats = _raw(batch), _raw(out), _raw(out_p), _raw(s_ints), \
-        _raw(s_floats)
-    states, trans, corpus_edges, roots = _raw(states), _raw(trans), _raw(corpus_edges), _raw(roots)
-    addr, size, params, cal, stats = _raw(addr), _raw(size), _raw(params), _raw(cal), _raw(stats)
-    cols, edges, meta, work = _raw(cols), _raw(edges), _raw(meta), _raw(work)
-    settings = _raw(settings)
-    thread_stats = _raw(thread_stats)
+    own buffers keep the tree and its evidence for the commit that follows. The two roots it
+    calls make their arrays bare themselves (`_raw`): here each array is passed once a step."""
     failed = apply_queue(ops, tokens, addr, size, params, cal, settings, stats, cols, edges, runs,
                          meta, work[0])
     if failed:
