@@ -90,6 +90,24 @@ def test_external_corpus_drafts_and_never_crosses_a_separator(backend: str):
 
 
 @backends
+def test_corpus_continues_only_under_nodes_it_won(backend: str):
+    # The request and the corpus both continue "1 2" with 3; the request wins node 3 (first
+    # seen on a tie), so the corpus's "3 -> 9" is not offered under it. The corpus still
+    # drafts under the root and under its own nodes (the other corpus tests).
+    corpora = StubCorpora({"docs": [[1, 2, 3, 9, 9, 9]]})
+    drafter = new_drafter(backend, corpora)
+    drafter.start("r", [1, 2, 3, 4, 50, 51, 1, 2])
+    (tree,) = drafter.propose(["r"], [11])
+    three = tree.token_ids.index(3)
+    assert tree.parents[three] == 0 and tree.sources[three] != CORPUS
+    assert 9 not in tree.token_ids
+    for i in range(1, len(tree)):
+        if tree.sources[i] == CORPUS:
+            parent = tree.parents[i]
+            assert parent == 0 or tree.sources[parent] == CORPUS
+
+
+@backends
 def test_corpus_added_later_is_used_and_match_is_incremental(backend: str):
     corpora = StubCorpora({})
     drafter = new_drafter(backend, corpora)

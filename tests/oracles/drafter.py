@@ -139,7 +139,8 @@ class ReferenceDrafter:
             return DraftTree(tokens, parents, probs, sources), evidence, bases
         heap: list = []
         gain = {s: self.calibrator.gain(req.gain_sums, s) for s in SOURCE_NAMES}
-        seq = self._push_children(heap, 0, 0, 1.0, self._root_cursors(req, sams), budget, gain)
+        seq = self._push_children(heap, 0, 0, 1.0, self._root_cursors(req, sams), budget, gain,
+                                  -1)
         while heap and len(tokens) <= budget:
             neg_prob, _, parent, token, source, cursors, proof, base = heapq.heappop(heap)
             if -neg_prob < self.config.min_path_prob:
@@ -154,21 +155,24 @@ class ReferenceDrafter:
             self._counts[source] += 1
             if len(tokens) <= budget:  # children of the last node could never be placed
                 seq = self._push_children(heap, seq, slot, -neg_prob, cursors,
-                                          budget + 1 - len(tokens), gain)
+                                          budget + 1 - len(tokens), gain, source)
         return DraftTree(tokens, parents, probs, sources), evidence, bases
 
     def _push_children(
         self, heap: list, seq: int, slot: int, prob: float, cursors: list[Cursor], room: int,
-        gain: dict[int, float],
+        gain: dict[int, float], node_source: int,
     ) -> int:
         """Merge every cursor's continuations by token and push one candidate per token. A
         cursor offers at most `room` (the nodes the tree can still take) continuations; its
-        estimates carry the request's gain for its source."""
+        estimates carry the request's gain for its source. Corpus cursors continue only under
+        the root (node_source -1) and under nodes the corpus won."""
         limit = min(self.config.max_bfs_breadth, room)
         # token -> [estimate, source, child cursors, evidence, estimate before the gain]
         merged: dict[int, list] = {}
         estimate = self.calibrator.estimate
         for source, handle, length in cursors:
+            if source == CORPUS and node_source not in (-1, CORPUS):
+                continue
             for token, child, count, total in self._continuations(source, handle, limit):
                 raw = count / (total + 1)
                 cls = 2 * source + (total <= 1)  # the evidence class (calibration.py)
