@@ -277,8 +277,6 @@ def test_lifecycle_errors(backend: str):
         ({"request_gain_prior": -1.0}, "request_gain_prior"),
         ({"request_gain_decay": 0.0}, "request_gain_decay"),
         ({"min_path_prob": 1.0}, "min_path_prob"),
-        ({"preset": "vllm"}, "preset"),
-        ({"match_type": "DFS"}, "match_type"),
     ],
 )
 def test_config_validation_names_the_field(kwargs, field):
