@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracles.sizing import ReferencePathProbCalibrator, reference_draft_sizes
 
 from ngramspec.drafting.config import DrafterConfig
 from ngramspec.drafting.tree import DraftTree
@@ -65,6 +67,36 @@ def test_chosen_sizes_reach_the_best_rate(tree_probs, slope):
     # up to the overhead step; it must never do worse than drafting nothing.
     assert rate >= len(trees) / cost(len(trees)) - 1e-12
     assert rate >= brute_force_sizes(trees, len(trees), cost) * 0.97
+
+
+# Trees as the sizing sees them: root 1.0, then non-increasing estimates, with ties.
+tree_st = st.lists(st.sampled_from([0.0, 0.05, 0.3, 0.31, 0.5, 0.9, 0.97, 1.0]) | st.floats(0, 1),
+                   max_size=11).map(lambda ps: [1.0] + sorted(ps, reverse=True))
+cost_st = st.lists(st.tuples(st.integers(1, 600), st.floats(1e-3, 0.05)), min_size=1,
+                   max_size=5, unique_by=lambda pt: pt[0]).map(
+    lambda pts: VerifyCost(*map(list, zip(*sorted(pts)))))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(tree_st, min_size=1, max_size=40), cost_st, st.sampled_from([0.5, 1.0, 3.0]),
+       st.sampled_from([1.0, 1.3]))
+def test_batched_sizing_decides_as_the_loop(trees, cost, penalty, base_scale):
+    assert choose_draft_sizes(trees, len(trees), cost, penalty, base_scale) == \
+        reference_draft_sizes(trees, len(trees), cost, penalty, base_scale)
+    for n in (1, 7, 300, 900):
+        assert cost.many(np.array([n]))[0] == cost(n)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(tree_st, st.lists(st.integers(1, 11), max_size=4)), max_size=12))
+def test_batched_calibrator_matches_the_one_node_at_a_time_loop(steps):
+    fast, ref = PathProbCalibrator(), ReferencePathProbCalibrator()
+    for probs, accepted in steps:
+        assert fast.correct(probs) == ref.correct(probs)
+        fast.observe(probs, accepted)
+        ref.observe(probs, accepted)
+    probe = [1.0, 0.95, 0.7, 0.42, 0.42, 0.1, 0.0]
+    assert fast.correct(probe) == ref.correct(probe)
 
 
 def test_no_drafts_when_verify_is_expensive():

@@ -8,6 +8,8 @@ ratios are the prior, and every verified node updates its bucket online.
 
 from __future__ import annotations
 
+import numpy as np
+
 # Observed accepted / predicted per 0.1-wide bucket of the raw estimate (replayed streams).
 PRIOR_RATIO = (0.6, 0.56, 0.58, 0.65, 0.68, 0.8, 0.8, 0.9, 0.94, 1.0)
 PRIOR_MASS = 5.0  # predicted probability mass behind each bucket's prior
@@ -15,32 +17,45 @@ MAX_PROB = 0.99
 
 
 class PathProbCalibrator:
-    """Global correction of a tree's raw path probabilities, by 0.1-wide bucket."""
+    """Global correction of a tree's raw path probabilities, by 0.1-wide bucket.
+
+    Kept as arrays and applied to a whole batch at once: per tree in Python, correcting and
+    learning took ~1.1 ms of every step at 64 requests on the 2-core CPU. Observations wait in a
+    list and are added, in the order they came, before the next correction reads the table.
+    """
 
     def __init__(self) -> None:
-        self.predicted = [PRIOR_MASS] * len(PRIOR_RATIO)
-        self.accepted = [PRIOR_MASS * r for r in PRIOR_RATIO]
-
-    @staticmethod
-    def _bucket(p: float) -> int:
-        return min(int(p * len(PRIOR_RATIO)), len(PRIOR_RATIO) - 1)
+        self.predicted = np.full(len(PRIOR_RATIO), PRIOR_MASS)
+        self.accepted = PRIOR_MASS * np.array(PRIOR_RATIO)
+        self._probs: list[float] = []  # observed raw estimates, not yet added
+        self._hits: list[bool] = []  # whether each was accepted
 
     def correct(self, probs: list[float]) -> list[float]:
         """Calibrated copy of a tree's probs (root first), kept non-increasing so every prefix
         stays the best one."""
-        out, floor = [1.0], 1.0
-        for p in probs[1:]:
-            b = self._bucket(p)
-            floor = min(floor, MAX_PROB, p * self.accepted[b] / self.predicted[b])
-            out.append(floor)
-        return out
+        return self.correct_rows(np.array([probs], np.float64))[0].tolist()
+
+    def correct_rows(self, probs: np.ndarray) -> np.ndarray:
+        """`correct` of every row of probs ([trees, nodes], root first; pad with anything)."""
+        self._learn()
+        b = np.minimum((probs * len(PRIOR_RATIO)).astype(np.int64), len(PRIOR_RATIO) - 1)
+        out = np.minimum(probs * self.accepted[b] / self.predicted[b], MAX_PROB)
+        out[:, 0] = 1.0
+        return np.minimum.accumulate(out, axis=1)
 
     def observe(self, raw_probs: list[float], accepted_nodes: list[int]) -> None:
         accepted = set(accepted_nodes)
-        for i in range(1, len(raw_probs)):
-            b = self._bucket(raw_probs[i])
-            self.predicted[b] += raw_probs[i]
-            self.accepted[b] += i in accepted
+        self._probs += raw_probs[1:]
+        self._hits += [i in accepted for i in range(1, len(raw_probs))]
+
+    def _learn(self) -> None:
+        if not self._probs:
+            return
+        probs = np.array(self._probs, np.float64)
+        b = np.minimum((probs * len(PRIOR_RATIO)).astype(np.int64), len(PRIOR_RATIO) - 1)
+        np.add.at(self.predicted, b, probs)  # in order, as one += per node would
+        np.add.at(self.accepted, b, np.array(self._hits, np.float64))
+        self._probs, self._hits = [], []
 
 
 # Pseudo-tokens of "as expected" behind every request's own correction: a few verify steps are
@@ -64,6 +79,12 @@ class RequestAcceptance:
     def factor(self, key: int) -> float:
         expected, accepted = self.stats.get(key, (0.0, 0.0))
         return (accepted + self.prior) / (expected + self.prior)
+
+    def scale_rows(self, factors: np.ndarray, probs: np.ndarray) -> np.ndarray:
+        """`scale` of every row of probs ([trees, nodes], root first) by its request's factor."""
+        out = np.minimum(MAX_PROB, probs * factors[:, None])
+        out[:, 0] = 1.0
+        return np.where(factors[:, None] == 1.0, probs, out)
 
     def scale(self, key: int, probs: list[float]) -> list[float]:
         """The request's corrected probs (root first); the same list when it has no record."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import time
 
+import numpy as np
 import torch
 
 from ngramspec.engine.model_runner import ForwardItem, ModelRunner
@@ -41,6 +42,20 @@ class VerifyCost:
         lo, hi = pts[i - 1], pts[i]
         w = (num_tokens - lo) / (hi - lo)
         return secs[i - 1] * (1 - w) + secs[i] * w
+
+    def many(self, num_tokens: np.ndarray) -> np.ndarray:
+        """`self(n)` for every n of an int array, with the same float operations in the same
+        order (so the draft sizing, which compares these, decides exactly as one call each)."""
+        pts, secs = np.asarray(self.points), np.asarray(self.seconds, np.float64)
+        n = np.asarray(num_tokens)
+        beyond = secs[-1] * n / pts[-1]
+        if len(pts) == 1:
+            return np.where(n <= pts[0], secs[0], beyond)
+        i = np.clip(np.searchsorted(pts, n, side="left"), 1, len(pts) - 1)
+        lo, hi = pts[i - 1], pts[i]
+        w = (n - lo) / (hi - lo)
+        inside = secs[i - 1] * (1 - w) + secs[i] * w
+        return np.where(n <= pts[0], secs[0], np.where(n >= pts[-1], beyond, inside))
 
     @classmethod
     def from_relative(cls, relative: list[float], points: tuple[int, ...] = DEFAULT_POINTS) -> VerifyCost:
