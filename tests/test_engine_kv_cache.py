@@ -17,14 +17,59 @@ from conftest import (
     assert_same_tokens,
     top2_gap,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ngramspec import LLM, SamplingParams
-from ngramspec.engine.kv_cache import SlotAllocator
+from ngramspec.engine.kv_cache import SlotAllocator, SlotList
 from ngramspec.engine.model_runner import ForwardItem
 from ngramspec.engine.sequence import Status
 from ngramspec.layers.attention import KVCache
 
 # ----------------------------------------------------------------------------- allocator
+
+_slot_ops = st.lists(st.tuples(st.sampled_from(
+    ["append", "iadd", "extend", "del_tail", "set", "set_slice", "del_step", "pop", "insert",
+     "remove", "sort", "reverse", "clear", "imul", "read"]), st.integers(-30, 30)), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 99), max_size=20), _slot_ops)
+def test_slot_list_buffer_always_equals_the_list(start: list[int], ops) -> None:
+    """SlotList.array() after any mix of list mutations is the list (the buffer is only ever
+    re-read from where something changed)."""
+    ours, ref = SlotList(start), list(start)
+    for op, k in ops:
+        n = len(ref)
+        i = k % n if n else 0
+        if op == "append":
+            ours.append(k), ref.append(k)
+        elif op == "iadd":
+            ours += [k, k + 1]
+            ref += [k, k + 1]
+        elif op == "extend":
+            ours.extend(range(abs(k) % 4)), ref.extend(range(abs(k) % 4))
+        elif op == "del_tail" and n:
+            del ours[-(i + 1):], ref[-(i + 1):]
+        elif op == "set" and n:
+            ours[i], ref[i] = k, k
+        elif op == "set_slice":
+            ours[i:i + 2], ref[i:i + 2] = [k] * 3, [k] * 3
+        elif op == "del_step":
+            del ours[i::2], ref[i::2]
+        elif op == "pop" and n:
+            assert ours.pop(k % n - n) == ref.pop(k % n - n)
+        elif op == "insert":
+            ours.insert(k, 7), ref.insert(k, 7)
+        elif op == "remove" and n:
+            ours.remove(ref[i]), ref.remove(ref[i])
+        elif op in ("sort", "reverse", "clear"):
+            getattr(ours, op)(), getattr(ref, op)()
+        elif op == "imul":
+            ours *= 2
+            ref *= 2
+        assert ours.array().tolist() == ref == list(ours)
+
 
 
 def test_allocator_hands_out_each_slot_once_and_never_slot_0() -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import heapq
+from typing import Any, Self, SupportsIndex
+
+import numpy as np
 
 
 class SlotAllocator:
@@ -36,3 +39,86 @@ class SlotAllocator:
     def free(self, slots: list[int]) -> None:
         for slot in slots:
             heapq.heappush(self._free, slot)
+
+
+class SlotList(list):
+    """A sequence's slots: a list that also keeps them in a numpy buffer, filled lazily.
+
+    Every step sends each running sequence's cached slots to attention; at 64 requests of 1000
+    tokens, reading 64k ints from Python lists cost ~1.7 ms a step on the 2-core CPU, and the
+    lists change only at their tail. So each mutation records how far the buffer is still valid
+    and `array()` copies only what changed since (`np.concatenate` of 64 such arrays: ~30 us).
+    Every mutating list method is overridden; a plain list in the same place still works (it is
+    read the slow way)."""
+
+    __slots__ = ("_buf", "_valid")
+
+    def __init__(self, slots: Any = ()) -> None:
+        super().__init__(slots)
+        self._buf = np.zeros(max(16, len(self)), np.int64)
+        self._valid = 0  # _buf[:_valid] equals self[:_valid]
+
+    def __reduce__(self) -> tuple:
+        return list, (list(self),)  # other processes get a plain list, not the buffer
+
+    def array(self) -> np.ndarray:
+        """[len] int64, the slots now (a view: valid until the next mutation)."""
+        n = len(self)
+        if n > len(self._buf):
+            buf = np.zeros(max(n, 2 * len(self._buf)), np.int64)
+            buf[: self._valid] = self._buf[: self._valid]
+            self._buf = buf
+        if self._valid < n:
+            self._buf[self._valid : n] = self[self._valid : n]
+            self._valid = n
+        return self._buf[:n]
+
+    # append, extend and += only add at the tail: what is buffered stays valid.
+
+    def _changed_from(self, index: int) -> None:
+        self._valid = min(self._valid, max(0, index))
+
+    def __delitem__(self, key: SupportsIndex | slice) -> None:
+        self._changed_from(_first_index(key, len(self)))
+        super().__delitem__(key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._changed_from(_first_index(key, len(self)))
+        super().__setitem__(key, value)
+
+    def insert(self, index: SupportsIndex, value: Any) -> None:
+        self._changed_from(_first_index(index, len(self)))
+        super().insert(index, value)
+
+    def pop(self, index: SupportsIndex = -1) -> Any:
+        self._changed_from(_first_index(index, len(self)))
+        return super().pop(index)
+
+    def remove(self, value: Any) -> None:
+        self._changed_from(0)
+        super().remove(value)
+
+    def clear(self) -> None:
+        self._changed_from(0)
+        super().clear()
+
+    def sort(self, *args: Any, **kwargs: Any) -> None:
+        self._changed_from(0)
+        super().sort(*args, **kwargs)
+
+    def reverse(self) -> None:
+        self._changed_from(0)
+        super().reverse()
+
+    def __imul__(self, count: SupportsIndex) -> Self:
+        self._changed_from(0)
+        return super().__imul__(count)
+
+
+def _first_index(key: Any, length: int) -> int:
+    """The first position a subscript or index may touch (0 when unsure)."""
+    if isinstance(key, slice):
+        start = key.indices(length)[0]
+        return 0 if key.step not in (None, 1) else start
+    index = int(key)
+    return index + length if index < 0 else index

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ngramspec.engine.kv_cache import SlotAllocator
+from ngramspec.engine.kv_cache import SlotAllocator, SlotList
 from ngramspec.engine.prefix_cache import PrefixCache
 from ngramspec.engine.sequence import Sequence, Status
 
@@ -124,7 +124,8 @@ class Scheduler:
         computed: it yields the next one). Prompt logprobs need every prompt row: no reuse."""
         if not self._caches(seq):
             return
-        seq.cache_node, seq.slots = self.cache.match(seq.token_ids[: seq.num_tokens - 1])
+        seq.cache_node, slots = self.cache.match(seq.token_ids[: seq.num_tokens - 1])
+        seq.slots = SlotList(slots)
         seq.num_shared = len(seq.slots)
 
     def _prefill_chunk(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
@@ -243,7 +244,7 @@ class Scheduler:
         self.allocator.free(seq.slots[seq.num_shared:])
         if self.cache is not None and seq.cache_node is not None:
             self.cache.unlock(seq.cache_node)
-        seq.slots, seq.cache_node, seq.num_shared = [], None, 0
+        seq.slots, seq.cache_node, seq.num_shared = SlotList(), None, 0
 
     def recompute_all(self) -> None:
         """Every running request gives up its K/V (not cached: it is about to be stale) and

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ngramspec.engine.kv_cache import SlotList
 from ngramspec.engine.logprobs import TokenLogprob
 from ngramspec.sampling_params import SamplingParams
 
@@ -50,7 +51,7 @@ class Sequence:
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
     status: Status = Status.WAITING
-    slots: list[int] = field(default_factory=list)  # KV slot of each cached token, in order
+    slots: list[int] = field(default_factory=SlotList)  # KV slot of each cached token, in order
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
