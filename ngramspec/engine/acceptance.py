@@ -36,7 +36,8 @@ class PathProbCalibrator:
         return self.correct_rows(np.array([probs], np.float64))[0].tolist()
 
     def correct_rows(self, probs: np.ndarray) -> np.ndarray:
-        """`correct` of every row of probs ([trees, nodes], root first; pad with anything)."""
+        """`correct` of every row of probs ([trees, nodes], root first; padding: any values in
+        [0, 1], which stay past the real nodes)."""
         self._learn()
         b = np.minimum((probs * len(PRIOR_RATIO)).astype(np.int64), len(PRIOR_RATIO) - 1)
         out = np.minimum(probs * self.accepted[b] / self.predicted[b], MAX_PROB)
