@@ -39,7 +39,7 @@ class PathProbCalibrator:
         """`correct` of every row of probs ([trees, nodes], root first; padding: any values in
         [0, 1], which stay past the real nodes)."""
         self._learn()
-        b = np.minimum((probs * len(PRIOR_RATIO)).astype(np.int64), len(PRIOR_RATIO) - 1)
+        b = _buckets(probs)
         out = np.minimum(probs * self.accepted[b] / self.predicted[b], MAX_PROB)
         out[:, 0] = 1.0
         return np.minimum.accumulate(out, axis=1)
@@ -53,10 +53,15 @@ class PathProbCalibrator:
         if not self._probs:
             return
         probs = np.array(self._probs, np.float64)
-        b = np.minimum((probs * len(PRIOR_RATIO)).astype(np.int64), len(PRIOR_RATIO) - 1)
+        b = _buckets(probs)
         np.add.at(self.predicted, b, probs)  # in order, as one += per node would
         np.add.at(self.accepted, b, np.array(self._hits, np.float64))
         self._probs, self._hits = [], []
+
+
+def _buckets(probs: np.ndarray) -> np.ndarray:
+    """The 0.1-wide bucket of each raw estimate (1.0 joins the last)."""
+    return np.minimum((probs * len(PRIOR_RATIO)).astype(np.int64), len(PRIOR_RATIO) - 1)
 
 
 # Pseudo-tokens of "as expected" behind every request's own correction: a few verify steps are
@@ -82,7 +87,8 @@ class RequestAcceptance:
         return (accepted + self.prior) / (expected + self.prior)
 
     def scale_rows(self, factors: np.ndarray, probs: np.ndarray) -> np.ndarray:
-        """`scale` of every row of probs ([trees, nodes], root first) by its request's factor."""
+        """`scale` of every row of probs ([trees, nodes], root first) by its request's factor.
+        A constant factor and a constant cap keep each row non-increasing."""
         out = np.minimum(MAX_PROB, probs * factors[:, None])
         out[:, 0] = 1.0
         return np.where(factors[:, None] == 1.0, probs, out)
@@ -92,8 +98,7 @@ class RequestAcceptance:
         f = self.factor(key)
         if f == 1.0:
             return probs
-        # A constant factor and a constant cap keep the probs non-increasing.
-        return [1.0] + [min(MAX_PROB, p * f) for p in probs[1:]]
+        return self.scale_rows(np.array([f]), np.array([probs], np.float64))[0].tolist()
 
     def observe(self, key: int, expected: float, accepted: int) -> None:
         s = self.stats.setdefault(key, [0.0, 0.0])

@@ -108,8 +108,7 @@ class Speculator:
         if self.guard is not None:
             scale, penalty = self.guard.correction(len(schedule.decodes))
             probe = self.guard.should_probe()
-        drafts = held.copy()
-        drafts[:, 0] = False
+        drafts = held & (np.arange(width) > 0)  # the root is never a draft
         sizes = [0] * num if probe else draft_sizes(
             probs[drafts], np.nonzero(drafts)[0], num, base, cost, penalty, scale)
         if not probe:

@@ -59,9 +59,7 @@ class FlatStep:
     def prefix(self) -> np.ndarray:
         """[P] int64: every item's cached slots, concatenated: from the sequences' slot buffers
         (engine/kv_cache.py SlotList) when every item has one, else read from the lists."""
-        if all(isinstance(p, SlotList) for p in self.prefixes):
-            if not self.prefixes:
-                return np.zeros(0, np.int64)
+        if self.prefixes and all(isinstance(p, SlotList) for p in self.prefixes):
             return np.concatenate([p.array() for p in self.prefixes])
         return np.fromiter(itertools.chain.from_iterable(self.prefixes), np.int64,
                            count=self.num_prefix)

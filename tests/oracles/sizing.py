@@ -3,6 +3,7 @@ every m at once in numpy and must decide exactly as this does)."""
 
 from __future__ import annotations
 
+from ngramspec.engine.acceptance import MAX_PROB, PRIOR_MASS, PRIOR_RATIO
 from ngramspec.engine.cost_model import VerifyCost
 from ngramspec.engine.speculator import host_overhead
 
@@ -32,8 +33,6 @@ class ReferencePathProbCalibrator:
     """engine/acceptance.py's PathProbCalibrator one node at a time."""
 
     def __init__(self) -> None:
-        from ngramspec.engine.acceptance import PRIOR_MASS, PRIOR_RATIO
-
         self.ratio_buckets = len(PRIOR_RATIO)
         self.predicted = [PRIOR_MASS] * len(PRIOR_RATIO)
         self.accepted = [PRIOR_MASS * r for r in PRIOR_RATIO]
@@ -42,8 +41,6 @@ class ReferencePathProbCalibrator:
         return min(int(p * self.ratio_buckets), self.ratio_buckets - 1)
 
     def correct(self, probs: list[float]) -> list[float]:
-        from ngramspec.engine.acceptance import MAX_PROB
-
         out, floor = [1.0], 1.0
         for p in probs[1:]:
             b = self._bucket(p)

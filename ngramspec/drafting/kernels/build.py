@@ -313,9 +313,9 @@ def _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cu
 
     A corpus cursor continues only under the root and under nodes the corpus won (`node_src`,
     -1 for the root): under a node the request or the trie won, its continuations took slots
-    from better candidates more often than they were accepted. Replays of data/streams with the standard-library corpus: 2.611 ->
-    2.618 mean accepted (code edits 6.44 -> 6.47), 34 -> 30 candidates and 48 -> 42 cursors a
-    tree at 64 in flight."""
+    from better candidates more often than they were accepted. Replays of data/streams with the
+    standard-library corpus: 2.611 -> 2.618 mean accepted (code edits 6.44 -> 6.47), 34 -> 30
+    candidates and 48 -> 42 cursors a tree at 64 in flight."""
     limit = min(params[P_LIMIT], room)
     corpus_limit = limit if node_src < 0 or node_src == CORPUS else 0
     first_cand = counts[N_CAND]
