@@ -298,17 +298,19 @@ def test_a_trie_of_another_depth_is_refused() -> None:
 
 
 def test_step_kernels_refuse_non_contiguous_arrays() -> None:
-    """They alias their arguments by address (kernels/step.py `_raw`): a strided view would be
-    read as if it were contiguous."""
+    """They alias their arguments by address (kernels/step.py `_raw`, `Globals`): a strided view
+    would be read as if it were contiguous."""
     from ngramspec.drafting.kernels import step
 
     drafter = NgramDrafter(DrafterConfig())
-    trie, cal, table = drafter._trie, drafter.calibrator, drafter._table
-    ops = np.zeros(6, np.int64)[::2]
+    g = drafter._globals_now(drafter._layout)
+    io = np.zeros(6, np.int64)[::2]
     with pytest.raises(ValueError, match="C-contiguous"):
-        step.apply_queue(ops, np.zeros(0, np.int32), table.addr, table.size,
-                         drafter._layout.params, cal.cal, cal.settings, drafter._counts, trie.cols,
-                         trie.edges, trie.runs, trie.meta, drafter._layout.scratch.work[0])
+        step.apply_queue(io, 0, g)
+    arrays = list(drafter._globals.arrays)
+    arrays[step.G_COLS] = np.zeros((8, 18), np.int32)[:, ::2]
+    with pytest.raises(ValueError, match="global 10: expected a C-contiguous 2-d int32"):
+        step.Globals(tuple(arrays))
 
 
 class _Lockstep:

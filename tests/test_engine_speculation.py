@@ -107,7 +107,7 @@ def test_learning_during_the_forward_changes_nothing(tiny_model_dirs, monkeypatc
     flush = drafter.flush
 
     def counting() -> None:
-        flushed.append(len(drafter._ops))
+        flushed.append(len(drafter._queue))
         flush()
 
     monkeypatch.setattr(drafter, "flush", counting)

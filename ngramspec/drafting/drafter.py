@@ -25,6 +25,7 @@ lockstep property tests hold this to, tree for tree.
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,13 +99,14 @@ class NgramDrafter:
         self._requests: dict[str, _Request] = {}
         self._table = step.RequestTable()
         # Commits and prompt insertions wait here for the next kernel call (kernels/step.py):
-        # flat (slot, new tokens, trie start) triples, the tokens, and how many trie positions
-        # they extend; slots of stopped requests are released once their operations ran.
-        self._ops: list[int] = []
-        self._tokens: list[int] = []
+        # each (slot, new tokens, trie start) followed by its tokens, and how many trie
+        # positions they extend; slots of stopped requests are released once their operations
+        # ran.
+        self._queue: list[int] = []
         self._queued_positions = 0
         self._releasing: list[int] = []
         self._queue_epoch = self._trie.epoch  # the trie's epoch when the first waiting op came
+        self._globals: step.Globals | None = None  # made for the arrays in use (_globals_now)
         # Config values read on every step, kept as plain attributes (a request-step is a few
         # µs, so even property and method-call overheads show).
         self._nodes = config.num_draft_tokens + 1
@@ -113,6 +115,8 @@ class NgramDrafter:
         self._layout = self._new_layout({})
         self._current_layout()  # the corpus bank is built here, not in the first step
         self._counts = np.zeros(2 * NUM_SOURCES, np.int64)  # drafted, then accepted, by source
+        self._rows = 0  # the output buffers' rows (_outputs)
+        self._outputs(1)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -137,9 +141,9 @@ class NgramDrafter:
         self._lay_out(req, self._layout, trie_start)
         self._requests[request_id] = req
         if cfg.insert_prompt:
-            if not self._ops:
+            if not self._queue:
                 self._queue_epoch = self._trie.epoch
-            self._ops += (req.slot, 0, trie_start)
+            self._queue += (req.slot, 0, trie_start)
             self._queued_positions += len(context) - trie_start
 
     def commit(self, request_id: str, accepted_token_ids: list[int]) -> None:
@@ -153,17 +157,18 @@ class NgramDrafter:
         count = len(accepted_token_ids)
         if req.context.reserve(count):
             self._table.set(req.slot, req.arrays())
-        if not self._ops:
+        queue = self._queue
+        if not queue:
             self._queue_epoch = self._trie.epoch
-        self._ops += (req.slot, count, -1)
-        self._tokens += accepted_token_ids
+        queue += (req.slot, count, -1)
+        queue += accepted_token_ids
         self._queued_positions += count
 
     def stop(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
         if req is None:
             return
-        if self._ops:  # its queued operations still read its arrays
+        if self._queue:  # its queued operations still read its arrays
             self._releasing.append(req.slot)
         else:
             self._table.release(req.slot)
@@ -177,7 +182,7 @@ class NgramDrafter:
         for slot in self._releasing:
             self._table.release(slot)
         self._requests.clear()
-        self._ops, self._tokens, self._queued_positions, self._releasing = [], [], 0, []
+        self._queue, self._queued_positions, self._releasing = [], 0, []
         self._counts[:] = 0
 
     @property
@@ -196,10 +201,11 @@ class NgramDrafter:
 
     # ----------------------------------------------------------------- the queue
 
-    def _take_queue(self) -> tuple[np.ndarray, np.ndarray]:
-        """The queued operations and tokens as kernel arrays; the trie is grown to fit them."""
-        trie = self._trie
-        if self._ops and trie.epoch != self._queue_epoch:
+    def _queued_io(self, batch: list[int]) -> tuple[np.ndarray, int]:
+        """The queue followed by `batch` as one kernel array (kernels/step.py), and the queue's
+        length; the trie is grown to fit the queue."""
+        trie, queue = self._trie, self._queue
+        if queue and trie.epoch != self._queue_epoch:
             # Reset by someone holding the trie while these waited (the drafter's own readers
             # run the queue first): they go to the new trie, and no anchor may name a node it
             # no longer has.
@@ -207,42 +213,58 @@ class NgramDrafter:
                 if req.trie_state.epoch != trie.epoch:
                     trie.sync(req.trie_state)
                     self._table.set(req.slot, req.arrays())
-        ops = np.array(self._ops, np.int64)  # (slot, new tokens, trie start) triples
         try:
-            tokens = np.array(self._tokens, np.int32)
+            io = np.array(queue + batch, np.int64)
         except (OverflowError, TypeError, ValueError):
             self._drop_bad_commits()  # raises, naming them; the rest of the queue stays
-        self._trie.reserve(self._queued_positions * self._depth)
-        self._ops, self._tokens, self._queued_positions = [], [], 0
-        return ops, tokens
+        # Counted again if the queue does not run now (bad tokens): that only grows it sooner.
+        trie.reserve(self._queued_positions * self._depth)
+        return io, len(queue)
+
+    def _globals_now(self, layout: _Layout) -> np.ndarray:
+        """The kernels' table of the shared arrays (kernels/step.py `Globals`), remade when the
+        trie grew or was replaced, the calibration was reset, the request table grew or the
+        corpora changed (each replaces the array checked here)."""
+        g, trie, cal, table = self._globals, self._trie, self.calibrator, self._table
+        if (g is None or g.arrays[step.G_COLS] is not trie.cols
+                or g.arrays[step.G_CAL] is not cal.cal or g.arrays[step.G_ADDR] is not table.addr
+                or g.arrays[step.G_PARAMS] is not layout.params):
+            bank, s = layout.bank or _NO_BANK, layout.scratch
+            g = self._globals = step.Globals((
+                table.addr, table.size, layout.params, cal.cal, cal.settings, self._counts,
+                s.ints, s.floats, s.work, s.counts, trie.cols, trie.edges, trie.runs, trie.meta,
+                bank.states, bank.trans, bank.edges, bank.roots))
+        return g.table
 
     def _drop_bad_commits(self) -> None:
         """Take the commits whose tokens are not int32 token ids out of the queue (a caller's
-        bug; checked here rather than in every commit, which would cost ~0.3 µs a step)."""
-        ops, tokens, bad = [], [], []
-        at = 0
-        for i in range(0, len(self._ops), 3):
-            count = self._ops[i + 1]
-            mine = self._tokens[at:at + count]
-            at += count
-            try:
-                np.array(mine, np.int32)
-            except (OverflowError, TypeError, ValueError):
-                bad.append(self._ops[i])
+        bug; checked when the queue is converted and by the kernel rather than in every commit,
+        which would cost ~0.3 µs a step)."""
+        queue, kept, bad, i = self._queue, [], [], 0
+        while i < len(queue):
+            slot, count = queue[i + step.O_SLOT], queue[i + step.O_COUNT]
+            op = queue[i:i + step.O_TOKENS + count]
+            i += step.O_TOKENS + count
+            if _int32s(op[step.O_TOKENS:]):
+                kept += op
+            else:
+                bad.append(slot)
                 self._queued_positions -= count
-                continue
-            ops += self._ops[i:i + 3]
-            tokens += mine
-        self._ops, self._tokens = ops, tokens
+        if not bad:
+            raise RuntimeError("the drafter kernel refused a queue of int32 tokens (bug)")
+        self._queue = kept
         names = [rid for rid, req in self._requests.items() if req.slot in bad]
         raise ValueError(f"commit of requests {names}: token ids must be int32 (dropped)")
 
     def _after_queue(self, failed: int) -> None:
+        if failed == step.BAD_TOKENS:  # nothing ran
+            self._drop_bad_commits()
+        if failed:
+            raise RuntimeError("trie columns were not grown before extend (bug)")
+        self._queue, self._queued_positions = [], 0
         for slot in self._releasing:
             self._table.release(slot)
         self._releasing = []
-        if failed:
-            raise RuntimeError("trie columns were not grown before extend (bug)")
 
     def flush(self) -> None:
         """Learn what start and commit queued now instead of in the next propose: the engine calls
@@ -252,14 +274,10 @@ class NgramDrafter:
 
     def _flush(self) -> None:
         """Run the queued operations now (a reader of the trie or calibration is coming)."""
-        if not self._ops:
+        if not self._queue:
             return
-        ops, tokens = self._take_queue()
-        trie, cal, table = self._trie, self.calibrator, self._table
-        failed = step.apply_queue(ops, tokens, table.addr, table.size, self._layout.params,
-                                  cal.cal, cal.settings, self._counts, trie.cols, trie.edges,
-                                  trie.runs, trie.meta, self._layout.scratch.work[0])
-        self._after_queue(failed)
+        io, queued = self._queued_io([])
+        self._after_queue(step.apply_queue(io, queued, self._globals_now(self._layout)))
 
     # ----------------------------------------------------------------- proposing
 
@@ -282,34 +300,38 @@ class NgramDrafter:
                 self._table.set(req.slot, req.arrays())
             slots.append(req.slot)
             capped.append(budget)
-        ops, tokens = self._take_queue()
-        nodes, table, cal, s = self._nodes, self._table, self.calibrator, layout.scratch
-        num = len(slots)
-        out = np.empty((num, 3 * nodes), np.int64)
-        out_p = np.empty((num, nodes + 1), np.float64)
-        bank = layout.bank or _NO_BANK
-        # numpy calls cost ~0.3 µs each, which shows with one request: one array for the batch
-        batch = np.array(slots + capped, np.int64)  # slots, then budgets
+        # numpy calls cost ~0.3-0.7 µs each, which shows with one request: one input array for
+        # the queue and the batch (slots, then budgets), and output buffers kept between steps
+        io, queued = self._queued_io(slots + capped)
+        g = self._globals_now(layout)
+        num, nodes = len(slots), self._nodes
+        out, out_p = self._outputs(num)
         # Threads only pay off with a few requests each (a parallel region costs ~1.5 µs); a slot
         # named twice (a caller's bug) would be built by two threads at once.
         kernel = step.propose
         if self._threads > 1 and num >= 4 * self._threads and len(set(slots)) == num:
             kernel = step.propose_parallel
-        failed = kernel(
-            ops, tokens, batch, out, out_p, table.addr, table.size, layout.params,
-            self._min_path_prob, cal.cal, cal.settings, self._counts, s.ints, s.floats, trie.cols,
-            trie.edges, trie.runs, trie.meta, bank.states, bank.trans, bank.edges, bank.roots,
-            s.work, s.counts)
-        self._after_queue(failed)
+        self._after_queue(kernel(io, queued, out, out_p, g, self._min_path_prob))
         # One list per field straight from tolist (slicing four lists cost ~0.2 µs a request).
         trees = []
-        for (token_ids, parents, sources), probs in zip(out.reshape(num, 3, nodes).tolist(),
-                                                        out_p.tolist()):
+        for (token_ids, parents, sources), probs in zip(self._out3[:num].tolist(),
+                                                        out_p[:num].tolist()):
             n = int(probs.pop())
             if n < nodes:
                 del token_ids[n:], parents[n:], sources[n:], probs[n:]
             trees.append(_trusted_tree(token_ids, parents, probs, sources))
         return trees
+
+    def _outputs(self, num: int) -> tuple[np.ndarray, np.ndarray]:
+        """The kernels' output rows for `num` trees (tokens, parents and sources; path
+        probabilities and the node count), grown as needed; `_out3` views the first as
+        [rows, 3, nodes]. Reused: each step's trees are converted to lists before the next."""
+        if num > self._rows:
+            self._rows = rows = max(num, 2 * self._rows, 16)
+            self._out = np.zeros((rows, 3 * self._nodes), np.int64)
+            self._out_p = np.zeros((rows, self._nodes + 1), np.float64)
+            self._out3 = self._out.reshape(rows, 3, self._nodes)
+        return self._out, self._out_p
 
     def _current_layout(self) -> _Layout:
         """The layout of the corpora in use now (a new one when the snapshot changed)."""
@@ -403,6 +425,14 @@ def _matches(layout: _Layout) -> np.ndarray:
     if layout.bank is None:
         return np.zeros((0, 3), np.int64)
     return layout.bank.new_matches()
+
+
+def _int32s(tokens: list) -> bool:
+    """Every token is an integer that fits an int32."""
+    try:
+        return all(-(2**31) <= operator.index(t) < 2**31 for t in tokens)
+    except TypeError:
+        return False
 
 
 def _trusted_tree(tokens: list[int], parents: list[int], probs: list[float],

@@ -11,10 +11,18 @@ stores, so an address never outlives its array; `set` is the only way in or out.
 list of arrays was the alternative: unboxing one costs ~1.3 µs and reading an item ~45 ns, one
 list per field per step and one item per field and request; reading an address here costs ~1 ns.)
 
-Queued operations are triples (slot, new tokens, trie start): append that many tokens (taken in
-order from one token array) to the request's context, learning first from its pending tree, then
-count the n-grams ending at the positions from trie start (-1: the first new token) in the trie.
-A request's start queues (slot, 0, where its prompt begins).
+The arrays every step reads besides the requests' own (trie, calibration, scratch, corpus bank,
+the RequestTable's own two) reach the kernel the same way, as one `Globals` table of addresses and
+shapes: numba's dispatch costs ~0.1 µs an array argument, and 24 arguments took 2.9 µs of a
+17 µs request-step with one request in flight.
+
+The queue and the batch travel as ONE int64 array (a numpy conversion costs ~0.5 µs on its own):
+first the queued operations, each (slot, new tokens, trie start) followed by its new tokens:
+append them to the request's context, learning first from its pending tree, then count the
+n-grams ending at the positions from trie start (-1: the first new token) in the trie; a request's
+start queues (slot, 0, where its prompt begins). Then the batch: its slots, then their budgets.
+A queued token outside int32 fails the whole call before anything runs (BAD_TOKENS), so the
+caller can drop the bad commits and run the rest.
 """
 
 from __future__ import annotations
@@ -34,7 +42,16 @@ NUM_FIELDS = 9
 FIELD_DTYPES = (np.int32, np.int32, np.uint64, np.uint64, np.int64, np.int32, np.int64,
                 np.float64, np.int64)
 FIELD_COLUMNS = (0, 0, 0, 2, 0, 0, 0, 0, 3)
-O_SLOT, O_COUNT, O_TRIE_FROM = range(3)  # fields of a queued operation (flat triples)
+O_SLOT, O_COUNT, O_TRIE_FROM, O_TOKENS = range(4)  # a queued operation's header, then its tokens
+BAD_TOKENS = -3  # a queued token is not an int32 (nothing ran); -2: the trie was not grown first
+# Rows of the Globals table, and the dtype and number of dimensions each must have.
+(G_ADDR, G_SIZE, G_PARAMS, G_CAL, G_SETTINGS, G_STATS, G_S_INTS, G_S_FLOATS, G_WORK,
+ G_THREAD_STATS, G_COLS, G_EDGES, G_RUNS, G_META, G_STATES, G_TRANS, G_CORPUS_EDGES,
+ G_ROOTS) = range(18)
+GLOBAL_SPECS = ((np.int64, 2), (np.int64, 2), (np.int64, 1), (np.float64, 3), (np.float64, 1),
+                (np.int64, 1), (np.int64, 2), (np.float64, 2), (np.int64, 2), (np.int64, 2),
+                (np.int32, 2), (np.int32, 1), (np.int32, 1), (np.int64, 1), (np.int32, 2),
+                (np.int32, 2), (np.int32, 2), (np.int64, 1))
 
 
 class RequestTable:
@@ -74,6 +91,24 @@ class RequestTable:
         self._free.append(slot)
 
 
+class Globals:
+    """Addresses and shapes of the arrays in `GLOBAL_SPECS` order (rows: address, then up to
+    three dimensions), holding each array so that no address outlives it (module docstring).
+    The drafter makes a new one whenever any of them is replaced."""
+
+    def __init__(self, arrays: tuple[np.ndarray, ...]) -> None:
+        if len(arrays) != len(GLOBAL_SPECS):
+            raise ValueError(f"expected {len(GLOBAL_SPECS)} arrays, got {len(arrays)}")
+        self.table = np.zeros((len(arrays), 4), np.int64)
+        for g, (a, (dtype, ndim)) in enumerate(zip(arrays, GLOBAL_SPECS)):
+            if a.dtype != dtype or not a.flags.c_contiguous or a.ndim != ndim:
+                raise ValueError(f"global {g}: expected a C-contiguous {ndim}-d "
+                                 f"{np.dtype(dtype)} array, got {a.dtype} {a.shape}")
+            self.table[g, 0] = a.ctypes.data
+            self.table[g, 1:1 + ndim] = a.shape
+        self.arrays = arrays
+
+
 def _grown_rows(a: np.ndarray, rows: int) -> np.ndarray:
     out = np.zeros((rows, a.shape[1]), a.dtype)
     out[: len(a)] = a
@@ -103,6 +138,21 @@ def _view2(addr, size, slot, f, columns, dtype):
 
 
 @njit(cache=True, inline="always")
+def _g1(g, row, dtype):
+    return numba.carray(_pointer(g[row, 0]), g[row, 1], dtype)
+
+
+@njit(cache=True, inline="always")
+def _g2(g, row, dtype):
+    return numba.carray(_pointer(g[row, 0]), (g[row, 1], g[row, 2]), dtype)
+
+
+@njit(cache=True, inline="always")
+def _g3(g, row, dtype):
+    return numba.carray(_pointer(g[row, 0]), (g[row, 1], g[row, 2], g[row, 3]), dtype)
+
+
+@njit(cache=True, inline="always")
 def _raw(a):
     """`a` without its reference count: numba's atomic incref/decref on every array handed to a
     callee or sliced cost more than the work (perf: ~16% of a replay's samples, more than a
@@ -124,24 +174,48 @@ def _apply_one(addr, size, slot, new, trie_from, params, cal, settings, stats, c
         cols, edges, runs, meta, _view(addr, size, slot, F_TSTATE, np.int32), work)
 
 
-@njit(cache=True)
-def apply_queue(ops, tokens, addr, size, params, cal, settings, stats, cols, edges, runs, meta,
-                work) -> int:
-    """Run the queued operations (flat triples) in order; 0, or -2 when the trie was not grown
-    first (a bug)."""
-    ops, tokens, addr, size, params = _raw(ops), _raw(tokens), _raw(addr), _raw(size), _raw(params)
-    cal, settings, stats, cols = _raw(cal), _raw(settings), _raw(stats), _raw(cols)
-    edges, runs, meta, work = _raw(edges), _raw(runs), _raw(meta), _raw(work)
-    at = 0
-    for i in range(0, ops.shape[0], 3):
-        count = ops[i + O_COUNT]
-        failed = _apply_one(addr, size, ops[i + O_SLOT], tokens[at:at + count],
-                            ops[i + O_TRIE_FROM], params, cal, settings, stats, cols, edges, runs,
+@njit(cache=True, inline="always")
+def _queue_is_int32(io, queued) -> bool:
+    """Every queued token fits an int32 (the context and trie store int32 tokens)."""
+    i = 0
+    while i < queued:
+        count = io[i + O_COUNT]
+        for j in range(i + O_TOKENS, i + O_TOKENS + count):
+            if io[j] < -(2**31) or io[j] >= 2**31:
+                return False
+        i += O_TOKENS + count
+    return True
+
+
+@njit(cache=True, inline="always")
+def _apply_queue(io, queued, g) -> int:
+    """Run the queued operations (io[:queued]) in order; 0, BAD_TOKENS (nothing ran), or -2
+    when the trie was not grown first (a bug)."""
+    if not _queue_is_int32(io, queued):
+        return BAD_TOKENS
+    addr, size = _g2(g, G_ADDR, np.int64), _g2(g, G_SIZE, np.int64)
+    params, cal = _g1(g, G_PARAMS, np.int64), _g3(g, G_CAL, np.float64)
+    settings, stats = _g1(g, G_SETTINGS, np.float64), _g1(g, G_STATS, np.int64)
+    cols, edges = _g2(g, G_COLS, np.int32), _g1(g, G_EDGES, np.int32)
+    runs, meta = _g1(g, G_RUNS, np.int32), _g1(g, G_META, np.int64)
+    work = _g2(g, G_WORK, np.int64)[0]
+    i = 0
+    while i < queued:
+        count = io[i + O_COUNT]
+        start = i + O_TOKENS
+        failed = _apply_one(addr, size, io[i + O_SLOT], io[start:start + count],
+                            io[i + O_TRIE_FROM], params, cal, settings, stats, cols, edges, runs,
                             meta, work)
         if failed:
             return failed
-        at += count
+        i = start + count
     return 0
+
+
+@njit(cache=True)
+def apply_queue(io, queued, g) -> int:
+    """`_apply_queue` alone (the drafter's flush)."""
+    return _apply_queue(_raw(io), queued, _raw(g))
 
 
 @njit(cache=True, inline="always")
@@ -171,20 +245,24 @@ def _build_one(i, t, batch, out, out_p, addr, size, params, min_path_prob, cal, 
 
 
 @njit(cache=True)
-def build_block(lo, hi, t, batch, out, out_p, addr, size, params, min_path_prob, cal, settings,
-                stats, s_ints, s_floats, cols, edges, meta, states, trans, corpus_edges, roots,
-                work) -> None:
+def build_block(lo, hi, t, batch, out, out_p, g, min_path_prob) -> None:
     """Requests lo..hi of the batch on thread t's scratch. Not inlined: the build inlines its
     whole call tree (a numba call passes every array as ~10 words, and the build's helpers take
     ~20 arrays), and compiling that once here, rather than into both the serial and the
-    threaded kernel, keeps the first compile short."""
+    threaded kernel, keeps the first compile short. Thread t counts its drafts in its own row
+    of the thread stats (a shared += would race)."""
     # Bare again here, so that this function knows no array has a reference count to keep.
-    batch, out, out_p, s_ints, s_floats = _raw(batch), _raw(out), _raw(out_p), _raw(s_ints), \
-        _raw(s_floats)
-    states, trans, corpus_edges, roots = _raw(states), _raw(trans), _raw(corpus_edges), _raw(roots)
-    addr, size, params, cal, stats = _raw(addr), _raw(size), _raw(params), _raw(cal), _raw(stats)
-    cols, edges, meta, work, settings = _raw(cols), _raw(edges), _raw(meta), _raw(work), \
-        _raw(settings)
+    batch, out, out_p, g = _raw(batch), _raw(out), _raw(out_p), _raw(g)
+    addr, size = _g2(g, G_ADDR, np.int64), _g2(g, G_SIZE, np.int64)
+    params, cal = _g1(g, G_PARAMS, np.int64), _g3(g, G_CAL, np.float64)
+    settings = _g1(g, G_SETTINGS, np.float64)
+    stats = _g2(g, G_THREAD_STATS, np.int64)[t]
+    s_ints, s_floats = _g2(g, G_S_INTS, np.int64), _g2(g, G_S_FLOATS, np.float64)
+    cols, edges, meta = _g2(g, G_COLS, np.int32), _g1(g, G_EDGES, np.int32), \
+        _g1(g, G_META, np.int64)
+    states, trans = _g2(g, G_STATES, np.int32), _g2(g, G_TRANS, np.int32)
+    corpus_edges, roots = _g2(g, G_CORPUS_EDGES, np.int32), _g1(g, G_ROOTS, np.int64)
+    work = _g2(g, G_WORK, np.int64)
     for i in range(lo, hi):
         _build_one(i, t, batch, out, out_p, addr, size, params, min_path_prob, cal, settings,
                    stats, s_ints, s_floats, cols, edges, meta, states, trans, corpus_edges,
@@ -192,28 +270,27 @@ def build_block(lo, hi, t, batch, out, out_p, addr, size, params, min_path_prob,
 
 
 @njit(cache=True, inline="always")
-def _propose(ops, tokens, batch, out, out_p, addr, size, params, min_path_prob, cal, settings,
-             stats, s_ints, s_floats, cols, edges, runs, meta, states, trans, corpus_edges, roots,
-             work, thread_stats) -> int:
-    """The queue, then one tree per request of `batch` (its slots, then their budgets). The
-    queue runs alone (it writes the shared trie and calibration); a build only reads those and
-    writes its own request's buffers and its thread's scratch, work and count rows, so thread t
-    takes the t-th of T contiguous blocks of the batch (T = the scratch's rows) and the trees are
-    the same whatever runs the blocks: `propose` one after another, `propose_parallel` on
-    threads. The batch must not name a slot twice (two threads would build it). The request's
-    own buffers keep the tree and its evidence for the commit that follows. The two roots it
-    calls make their arrays bare themselves (`_raw`): here each array is passed once a step."""
-    failed = apply_queue(ops, tokens, addr, size, params, cal, settings, stats, cols, edges, runs,
-                         meta, work[0])
+def _propose(io, queued, out, out_p, g, min_path_prob) -> int:
+    """The queue (io[:queued]), then one tree per request of the batch (io[queued:]: its slots,
+    then their budgets). The queue runs alone (it writes the shared trie and calibration); a
+    build only reads those and writes its own request's buffers and its thread's scratch, work
+    and count rows, so thread t takes the t-th of T contiguous blocks of the batch (T = the
+    scratch's rows) and the trees are the same whatever runs the blocks: `propose` one after
+    another, `propose_parallel` on threads. The batch must not name a slot twice (two threads
+    would build it). The request's own buffers keep the tree and its evidence for the commit
+    that follows."""
+    io, g = _raw(io), _raw(g)
+    failed = _apply_queue(io, queued, g)
     if failed:
         return failed
-    threads = min(s_ints.shape[0], work.shape[0], thread_stats.shape[0])
+    stats, thread_stats = _g1(g, G_STATS, np.int64), _g2(g, G_THREAD_STATS, np.int64)
+    threads = min(g[G_S_INTS, 1], g[G_WORK, 1], thread_stats.shape[0])
+    batch = io[queued:]
     num = batch.shape[0] // 2
     for t in prange(threads):
-        build_block(t * num // threads, (t + 1) * num // threads, t, batch, out, out_p, addr,
-                    size, params, min_path_prob, cal, settings, thread_stats[t], s_ints,
-                    s_floats, cols, edges, meta, states, trans, corpus_edges, roots, work)
-    for t in range(threads):  # each thread counted its own drafts (a shared += would race)
+        build_block(t * num // threads, (t + 1) * num // threads, t, batch, out, out_p, g,
+                    min_path_prob)
+    for t in range(threads):  # each thread counted its own drafts
         for j in range(stats.shape[0]):
             stats[j] += thread_stats[t, j]
             thread_stats[t, j] = 0
@@ -221,20 +298,12 @@ def _propose(ops, tokens, batch, out, out_p, addr, size, params, min_path_prob, 
 
 
 @njit(cache=True)
-def propose(ops, tokens, batch, out, out_p, addr, size, params, min_path_prob, cal, settings, stats,
-            s_ints, s_floats, cols, edges, runs, meta, states, trans, corpus_edges, roots, work,
-            thread_stats) -> int:
+def propose(io, queued, out, out_p, g, min_path_prob) -> int:
     """`_propose` on the calling thread (a parallel region costs ~1.5 µs: small batches)."""
-    return _propose(ops, tokens, batch, out, out_p, addr, size, params, min_path_prob, cal,
-                    settings, stats, s_ints, s_floats, cols, edges, runs, meta, states, trans,
-                    corpus_edges, roots, work, thread_stats)
+    return _propose(io, queued, out, out_p, g, min_path_prob)
 
 
 @njit(cache=True, parallel=True)
-def propose_parallel(ops, tokens, batch, out, out_p, addr, size, params, min_path_prob, cal,
-                     settings, stats, s_ints, s_floats, cols, edges, runs, meta, states, trans,
-                     corpus_edges, roots, work, thread_stats) -> int:
+def propose_parallel(io, queued, out, out_p, g, min_path_prob) -> int:
     """`_propose` with the blocks of the batch on numba's threads."""
-    return _propose(ops, tokens, batch, out, out_p, addr, size, params, min_path_prob, cal,
-                    settings, stats, s_ints, s_floats, cols, edges, runs, meta, states, trans,
-                    corpus_edges, roots, work, thread_stats)
+    return _propose(io, queued, out, out_p, g, min_path_prob)
