@@ -86,6 +86,27 @@ def test_allocator_hands_out_each_slot_once_and_never_slot_0() -> None:
         SlotAllocator(1)
 
 
+@given(st.integers(2, 40), st.lists(st.tuples(st.booleans(), st.integers(0, 40),
+                                                st.randoms(use_true_random=False)), max_size=60))
+def test_allocator_equals_a_sorted_free_set(num_slots: int, ops: list) -> None:
+    """The free tail plus a heap of holes below it (kv_cache.py) hands out exactly what one
+    sorted set of every free slot would: the n lowest, and nothing when fewer are free."""
+    alloc = SlotAllocator(num_slots)
+    free, held = set(range(1, num_slots)), []
+    for is_free, n, rng in ops:
+        if is_free and held:
+            out = rng.sample(held, min(n, len(held)))
+            alloc.free(out)
+            free |= set(out)
+            held = [h for h in held if h not in out]
+        else:
+            got = alloc.allocate(n)
+            assert got == (sorted(free)[:n] if n <= len(free) else None)
+            free -= set(got or ())
+            held += got or []
+        assert alloc.num_free == len(free)
+
+
 def test_allocator_hands_out_the_lowest_free_slots() -> None:
     """Lowest-first is what keeps a lone sequence's K/V one range (read in place)."""
     alloc = SlotAllocator(20)

@@ -20,11 +20,16 @@ class SlotAllocator:
         if num_slots < 2:
             raise ValueError(f"the KV cache needs at least 2 slots, got {num_slots}")
         self.num_slots = num_slots
-        self._free = list(range(1, num_slots))  # a sorted list is already a min-heap
+        # Every slot from `_next` up is free (the never-used or returned tail, taken as a range);
+        # `_holes` (a min-heap) holds the free slots below it. A heap of every free slot cost
+        # ~0.5 µs a pop or push at 130k slots: ~6.7 µs a request-step for a 12-node tree, as
+        # much as drafting it; the holes are mostly one step's rejected drafts.
+        self._next = 1
+        self._holes: list[int] = []
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._holes) + self.num_slots - self._next
 
     @property
     def num_usable(self) -> int:
@@ -32,13 +37,24 @@ class SlotAllocator:
 
     def allocate(self, n: int) -> list[int] | None:
         """The n lowest free slots, ascending, or None (and nothing taken) when fewer are free."""
-        if n > len(self._free):
+        if n > self.num_free:
             return None
-        return [heapq.heappop(self._free) for _ in range(n)]
+        holes = self._holes
+        if n <= len(holes):
+            return [heapq.heappop(holes) for _ in range(n)]
+        got = [heapq.heappop(holes) for _ in range(len(holes))]  # all below _next: first
+        start = self._next
+        self._next = start + n - len(got)
+        got += range(start, self._next)
+        return got
 
     def free(self, slots: list[int]) -> None:
-        for slot in slots:
-            heapq.heappush(self._free, slot)
+        holes = self._holes
+        for slot in sorted(slots, reverse=True):  # a run ending at the tail rejoins it
+            if slot == self._next - 1:
+                self._next = slot
+            else:
+                heapq.heappush(holes, slot)
 
 
 class SlotList(list):
