@@ -54,7 +54,7 @@ class NgramTrie:
         size = ht.table_size(allocated)
         self.edges = np.full(size, -1, np.int32)
         self.runs = np.full(size, -1, np.int32)
-        self.meta = np.array([1, -1, -1, 0, self.capacity, self.max_depth], np.int64)
+        self.meta = np.array([1, -1, -1, 0, self.capacity, self.max_depth, 0, 0], np.int64)
         self._room = 0  # node allocations known to fit without growing (a Python-side bound)
 
     def reset(self) -> None:

@@ -5,7 +5,8 @@ cache line):
   TOK, PAR, CNT         token, parent, occurrence count
   FIRST, NEXT, PREV     children as a linked list sorted by count desc; PREV of the first child
                         is the last child (O(1) append), NEXT of the last is -1
-  LPREV, LNEXT          the leaf LRU list (front = least recently touched)
+  LPREV, LNEXT          the leaf LRU list (front = least recently touched); until the trie
+                        first fills, a leaf's last-touch stamp instead (high, low 31 bits)
   VER                   bumped when the id is evicted, so request anchors can tell staleness
 Two id-only hash tables (fast/hashtab.py): `edges` keyed (PAR, TOK) holding every node that has
 a sibling (an only child is found through its parent's FIRST, so chains, most of a deep trie,
@@ -13,7 +14,15 @@ cost no hashing), and `runs` keyed (PAR, CNT),
 the latter holding the first child of each run of two or more equal-count siblings. The run head
 is what `ReferenceTrie._bubble_up` finds by bisection: an incremented child swaps with it (same
 tie-breaking).
-`meta` (int64): NUM, LRU_HEAD, LRU_TAIL, EVICTED, CAPACITY, DEPTH.
+`meta` (int64): NUM, LRU_HEAD, LRU_TAIL, EVICTED, CAPACITY, DEPTH, STAMP (the next touch stamp),
+LINKED (1 once the LRU is a list).
+
+Until the trie first needs to evict, the LRU is only stamps: touching a leaf writes its own row,
+where the list's upkeep rewrote three others' (its neighbours and the tail). Counting a token's
+n-grams cost as much as indexing it in the request's context, and a trie that never fills paid
+for an order it never read. When the first eviction comes, `_link_lru` links the leaves in stamp
+order, which is the list the upkeep would have built (the same touches in the same order), and
+from then on the list is kept as before.
 A request state (int32 [1 + 2 * depth]): count, anchors[depth], versions[depth].
 """
 
@@ -26,7 +35,8 @@ from ngramspec.drafting.kernels import hashtab as ht
 
 TOK, PAR, CNT, FIRST, NEXT, PREV, LPREV, LNEXT, VER = range(9)
 NUM_COLS = 9
-NUM, LRU_HEAD, LRU_TAIL, EVICTED, CAPACITY, DEPTH = range(6)
+NUM, LRU_HEAD, LRU_TAIL, EVICTED, CAPACITY, DEPTH, STAMP, LINKED = range(8)
+STAMP_BITS = 31  # a stamp's low part (LNEXT); the high part is in LPREV
 SEPARATOR = -(2**31)
 ROOT = 0
 
@@ -133,6 +143,45 @@ def _lru_push_front(cols: np.ndarray, meta: np.ndarray, n: int) -> None:
     meta[LRU_HEAD] = n
 
 
+@njit(cache=True, inline="always")
+def _touch(cols: np.ndarray, meta: np.ndarray, n: int) -> None:
+    """Leaf n was counted (or, in stamp mode, created): the tail of the LRU (module docstring)."""
+    if meta[LINKED]:
+        if meta[LRU_TAIL] != n:
+            _lru_remove(cols, meta, n)
+            _lru_append(cols, meta, n)
+        return
+    stamp = meta[STAMP]
+    meta[STAMP] = stamp + 1
+    cols[n, LPREV], cols[n, LNEXT] = stamp >> STAMP_BITS, stamp & ((1 << STAMP_BITS) - 1)
+
+
+@njit(cache=True)
+def stamp_order(cols: np.ndarray, num: int) -> np.ndarray:
+    """The leaves (root excluded) of a trie still in stamp mode, least recently touched first."""
+    leaves = np.empty(num, np.int64)
+    k = 0
+    for n in range(1, num):
+        if cols[n, FIRST] == -1:
+            leaves[k] = n
+            k += 1
+    leaves = leaves[:k]
+    stamps = np.empty(k, np.int64)
+    for i in range(k):
+        n = leaves[i]
+        stamps[i] = (np.int64(cols[n, LPREV]) << STAMP_BITS) | cols[n, LNEXT]
+    return leaves[np.argsort(stamps)]
+
+
+@njit(cache=True)
+def _link_lru(cols: np.ndarray, meta: np.ndarray) -> None:
+    """Leave stamp mode: link the leaves in stamp order."""
+    meta[LRU_HEAD], meta[LRU_TAIL] = -1, -1
+    for n in stamp_order(cols, meta[NUM]):
+        _lru_append(cols, meta, n)
+    meta[LINKED] = 1
+
+
 # ---------------------------------------------------------------- counting
 
 
@@ -234,6 +283,8 @@ def _allocate(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, meta: np.nd
         return num
     if num < meta[CAPACITY]:
         return -2  # the caller did not grow the columns first (a bug)
+    if not meta[LINKED]:
+        _link_lru(cols, meta)
     v = meta[LRU_HEAD]
     while v != -1 and _pinned(v, parent, old, num_old, new, num_new):
         v = cols[v, LNEXT]
@@ -250,9 +301,8 @@ def _count_child(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, meta: np
     child = child_of(cols, edges, parent, token)
     if child >= 0:
         _increment(cols, runs, child)
-        if cols[child, FIRST] == -1 and meta[LRU_TAIL] != child:
-            _lru_remove(cols, meta, child)
-            _lru_append(cols, meta, child)
+        if cols[child, FIRST] == -1:
+            _touch(cols, meta, child)
         return child
     node = _allocate(cols, edges, runs, meta, parent, old, num_old, new, num_new)
     if node < 0:
@@ -260,8 +310,8 @@ def _count_child(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, meta: np
     cols[node, TOK], cols[node, PAR], cols[node, CNT], cols[node, FIRST] = token, parent, 1, -1
     first = cols[parent, FIRST]
     if first == -1:
-        if parent != ROOT:
-            _lru_remove(cols, meta, parent)  # no longer a leaf
+        if parent != ROOT and meta[LINKED]:
+            _lru_remove(cols, meta, parent)  # no longer a leaf (stamp mode: just not a leaf)
     else:
         last = cols[first, PREV]
         if cols[last, CNT] == 1 and not _same_before(cols, last, 1):
@@ -270,7 +320,10 @@ def _count_child(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, meta: np
             ht.insert(edges, first, ht.pair_key(parent, cols[first, TOK]))
         ht.insert(edges, node, ht.pair_key(parent, token))
     _append_child(cols, parent, node)
-    _lru_append(cols, meta, node)
+    if meta[LINKED]:
+        _lru_append(cols, meta, node)
+    else:
+        _touch(cols, meta, node)
     return node
 
 

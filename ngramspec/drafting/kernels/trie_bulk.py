@@ -9,6 +9,7 @@ from ngramspec.drafting.kernels import hashtab as ht
 from ngramspec.drafting.kernels.trie import (
     CNT,
     FIRST,
+    LINKED,
     LNEXT,
     LRU_HEAD,
     NEXT,
@@ -22,6 +23,7 @@ from ngramspec.drafting.kernels.trie import (
     _lru_append,
     _same_after,
     _same_before,
+    stamp_order,
 )
 
 
@@ -69,6 +71,12 @@ def bfs_order(cols: np.ndarray, meta: np.ndarray) -> tuple:
             order[size], index[c] = c, size
             size += 1
             c = cols[c, NEXT]
+    if not meta[LINKED]:  # stamp mode (kernels/trie.py): the leaves by stamp
+        leaves = stamp_order(cols, num)
+        lru = np.empty(leaves.shape[0], np.int64)
+        for k in range(leaves.shape[0]):
+            lru[k] = index[leaves[k]]
+        return order[:size], index, lru
     lru = np.empty(num, np.int64)
     k = 0
     n = meta[LRU_HEAD]
@@ -103,6 +111,7 @@ def restore(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, meta: np.ndar
         if cols[cols[n, PAR], FIRST] != n or cols[n, NEXT] != -1:  # only siblings have entries
             ht.insert(edges, n, ht.pair_key(parents[n], tokens[n]))
     meta[NUM] = num
+    meta[LINKED] = 1  # the file's order, as a list
     for i in range(lru.shape[0]):
         n = lru[i]
         if not 0 < n < num:
