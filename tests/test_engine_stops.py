@@ -41,7 +41,8 @@ def test_stop_check_equals_decoding_the_whole_output(data) -> None:
     stops.append(data.draw(st.sampled_from(["\n\n", "STOP", "🙂", "return", "zzz"])))
     params = SimpleNamespace(ignore_eos=True, stop_token_ids=[], stop=stops, max_tokens=10**6)
     for n in range(1, len(output) + 1):
-        seq = SimpleNamespace(params=params, token_ids=[7, *output[:n]], eos_token_ids={2},
+        seq = SimpleNamespace(params=params, token_ids=[7, *output[:n]], num_prompt_tokens=1,
+                              eos_token_ids={2},
                               output_ids=output[:n], num_output_tokens=n, num_tokens=n + 1,
                               stop_text_len=None)
         expected = reference_stop_text_len(output[:n], tok, stops)

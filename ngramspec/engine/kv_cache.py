@@ -42,7 +42,8 @@ class SlotAllocator:
         holes = self._holes
         if n <= len(holes):
             return [heapq.heappop(holes) for _ in range(n)]
-        got = [heapq.heappop(holes) for _ in range(len(holes))]  # all below _next: first
+        got = sorted(holes)  # every hole, all below _next: first
+        holes.clear()
         start = self._next
         self._next = start + n - len(got)
         got += range(start, self._next)
