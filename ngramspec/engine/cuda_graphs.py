@@ -30,6 +30,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ngramspec.engine.step_inputs import FlatStep
@@ -186,8 +187,9 @@ class StepGraphs:
     def _capture(self, t_b: int, query_blocks: int) -> torch.cuda.CUDAGraph:
         """Record bucket (t_b, query_blocks) on idle inputs: no sequence, every token on the pad
         slot, so the warm-up run (which compiles the kernels) and the capture change nothing."""
-        idle = FlatStep([0] * t_b, [0] * t_b, [self.pad_slot] * t_b, list(range(t_b)), [0], [],
-                        [0], [], [0] * (t_b + 1), [], 1)
+        idle = FlatStep([0] * t_b, [0] * t_b, np.full(t_b, self.pad_slot, np.int64),
+                        list(range(t_b)), [0], [], [0], np.zeros(0, np.int64),
+                        np.zeros(t_b + 1, np.int64), [], 1)
         self._fill(idle, t_b)
         self._upload(0, 0)
         warm = self._forward(t_b, query_blocks)
