@@ -11,7 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from ngramspec import SamplingParams
-from ngramspec.layers.sampler import apply_penalties, sample_token, target_probs
+from ngramspec.layers.sampler import apply_penalties, argmax_rows, sample_token, target_probs
 
 # ----------------------------------------------------------------------------- validation
 
@@ -131,6 +131,27 @@ def test_samples_follow_the_processed_distribution() -> None:
     sigma = (probs * (1 - probs) / n).sqrt()
     assert ((counts / n - probs).abs() <= 4 * sigma + 1e-9).all(), (counts / n, probs)
     assert counts[probs == 0].sum() == 0
+
+
+row_values = st.one_of(st.floats(-4, 4, width=32), st.sampled_from(
+    [0.0, -0.0, 1.0, float("inf"), float("-inf"), float("nan")]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 6).flatmap(
+    lambda v: st.lists(st.lists(row_values, min_size=v, max_size=v), min_size=1, max_size=5)))
+def test_argmax_rows_equals_a_first_maximum_scan(rows) -> None:
+    """Ties go to the first maximum and a NaN counts as the maximum (torch's rule), on the numpy
+    path the CPU takes, on a strided view and on the torch path the other dtypes take."""
+    def first_max(row: list[float]) -> int:
+        nans = [i for i, x in enumerate(row) if math.isnan(x)]
+        return nans[0] if nans else row.index(max(row))
+
+    expected = [first_max(r) for r in rows]
+    logits = torch.tensor(rows, dtype=torch.float32)
+    assert argmax_rows(logits) == expected
+    assert argmax_rows(logits.t().contiguous().t()) == expected  # column-major strides
+    assert argmax_rows(logits.double()) == expected
 
 
 def test_greedy_sample_is_penalised_argmax() -> None:

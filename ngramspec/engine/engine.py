@@ -34,6 +34,7 @@ from ngramspec.engine.stops import check_stop
 from ngramspec.engine.verify import VerifyResult, verify_greedy, verify_sampled
 from ngramspec.kernels import kernels_available
 from ngramspec.layers.attention import KVCache
+from ngramspec.layers.sampler import argmax_rows
 from ngramspec.models.loader import (
     gguf_file,
     load_gguf_weights,
@@ -433,7 +434,7 @@ class LLMEngine:
                         logits: torch.Tensor) -> list[int] | None:
         # One argmax for the whole batch when no request needs per-row processing.
         if all(c.seq.params.greedy and not c.seq.params.has_penalties for c in chunks):
-            return logits.argmax(-1).tolist()
+            return argmax_rows(logits)
         return None
 
     def _verify(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor,
