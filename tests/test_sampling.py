@@ -152,6 +152,8 @@ def test_argmax_rows_equals_a_first_maximum_scan(rows) -> None:
     assert argmax_rows(logits) == expected
     assert argmax_rows(logits.t().contiguous().t()) == expected  # column-major strides
     assert argmax_rows(logits.double()) == expected
+    with torch.inference_mode():  # as the engine's logits come
+        assert argmax_rows(logits.clone()) == expected
 
 
 def test_greedy_sample_is_penalised_argmax() -> None:

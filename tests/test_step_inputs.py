@@ -17,8 +17,8 @@ def items(draw: st.DrawFn, masks: bool) -> list[ForwardItem]:
     out: list[ForwardItem] = []
     slot = 1
     for _ in range(draw(st.integers(0, 6))):
-        n = draw(st.integers(1, 9))
         kind = draw(st.sampled_from(["causal", "tree", "mask"] if masks else ["causal", "tree"]))
+        n = draw(st.integers(1 if kind == "tree" else 0, 9))  # a tree has at least its root
         parents = None
         if kind == "tree":
             parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
@@ -30,7 +30,7 @@ def items(draw: st.DrawFn, masks: bool) -> list[ForwardItem]:
         own = list(range(slot, slot + n))
         slot += n
         out.append(ForwardItem(list(range(100, 100 + n)), list(range(n)), prefix, own, mask,
-                               [n - 1], parents=parents))
+                               [n - 1] if n else [], parents=parents))
     return out
 
 
@@ -45,17 +45,26 @@ def test_flatten_lists_equal_the_token_by_token_reference(step):
     assert flat.slots.tolist() == [s for it in step for s in it.slots]
     assert flat.causal == [int(it.causal) for it in step]
     assert len(flat.local_offsets) == len(flat.token_ids) + 1
+    unpaged = flatten(step, paged=False)  # the SDPA backend reads the items instead
+    assert unpaged.local.tolist() == [] and unpaged.local_offsets.tolist() == [0]
+    assert unpaged.token_ids == flat.token_ids and unpaged.logit_rows == flat.logit_rows
 
 
-def test_a_step_without_paged_lists_leaves_them_empty():
+def test_a_tree_flattens_to_its_ancestors_lists():
     tree = ForwardItem([5, 6, 7], [3, 4, 4], [1, 2], [3, 4, 5], None, [0, 1, 2],
                        parents=[-1, 0, 0])
-    flat = flatten([tree], paged=False)
-    assert list(flat.local) == [] and list(flat.local_offsets) == [0]
-    assert flatten([tree]).local.tolist() == [3, 3, 4, 3, 5]
+    flat = flatten([tree])
+    assert flat.local.tolist() == [3, 3, 4, 3, 5]
+    assert flat.local_offsets.tolist() == [0, 1, 3, 5]
 
 
-def test_a_parent_after_its_node_is_a_clear_error():
-    bad = ForwardItem([5, 6, 7], [3, 4, 4], [], [3, 4, 5], None, [0], parents=[-1, 2, 0])
-    with pytest.raises(ValueError, match="parent must come before"):
+@pytest.mark.parametrize("parents, slots, error", [
+    ([-1, 2, 0], [3, 4, 5], "parent must come before"),
+    ([-1, -2, 0], [3, 4, 5], "must be -1 .the root. or a node index"),
+    ([-1, 0], [3, 4, 5], "2 parents for 3 tokens"),
+    ([-1, 0, 0], [3, 4], "2 slots for 3 query tokens"),
+])
+def test_a_malformed_tree_is_a_clear_error(parents, slots, error):
+    bad = ForwardItem([5, 6, 7], [3, 4, 4], [], slots, None, [0], parents=parents)
+    with pytest.raises(ValueError, match=error):
         flatten([bad])

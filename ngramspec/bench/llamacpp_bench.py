@@ -7,7 +7,7 @@ output. Then the context curve: plain decode ms/token at each context length, an
 cost of q tokens in one forward (one llama.cpp batch) relative to one token.
 With `--concurrency C > 1`, also C requests at once: ours through continuous batching, llama.cpp
 as C parallel sequences in one context (one batch per step, greedy on its logits), in two rounds
-that rotate who goes first, each engine's best round reported. The batch takes
+(the second in reverse order), each engine's best round reported. The batch takes
 the prompts the one-at-a-time phase did not answer first (code_edit has only 6, so they repeat),
 and our engines forget that phase first (prefix cache and learned n-grams): otherwise our batch
 would skip prefills llama.cpp pays and draft from answers it already gave to the same prompts.
@@ -219,14 +219,15 @@ def forget_earlier_requests(llm: LLM) -> None:
 
 def run_concurrent(engines: dict[str, Any], prompts: list[list[int]], max_tokens: int,
                    eos: set[int], rounds: int = 2) -> dict[str, Any]:
-    """The batch `rounds` times, rotating who goes first; each engine's best round counts (as
-    timeit: on a shared machine noise only adds time; one round each put spec 4% under plain at
-    16 chat requests where alternating rounds measure them equal). Every round is in the JSON."""
+    """The batch `rounds` times, every other round in reverse order (so plain and spec take turns
+    going first); each engine's best round counts, as timeit's (on a shared machine noise only
+    adds time: one round each once put spec 4% under plain at 16 chat requests, where best-of-two
+    rounds measure them within 1%). Every round's tok/s is in the JSON."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     names = ["llama.cpp", "plain", "spec"]
     runs: dict[str, list[float]] = {name: [] for name in names}
     for i in range(rounds):
-        for name in names[i % 3:] + names[: i % 3]:
+        for name in names if i % 2 == 0 else names[::-1]:
             if name == "llama.cpp":
                 made, dt = _timed(engines[name].generate_parallel, prompts, max_tokens, eos)
             else:

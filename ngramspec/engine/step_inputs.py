@@ -94,11 +94,16 @@ def flatten(items: list[ForwardItem], paged: bool = True) -> FlatStep:
         prefix_offsets.append(prefix_offsets[-1] + len(it.prefix_slots))
         causal.append(int(it.causal))
         if it.parents is not None:
+            if len(it.parents) != len(it.token_ids):
+                raise ValueError(f"a tree item has {len(it.parents)} parents for "
+                                 f"{len(it.token_ids)} tokens")
             parents += it.parents
             trees = True
         else:
             parents += [NO_LIST] * len(it.token_ids)
             masks = masks or it.local_mask is not None
+    if len(slots) != len(ids):  # the kernel reads a slot per token, unchecked
+        raise ValueError(f"the items have {len(slots)} slots for {len(ids)} query tokens")
     slot_array = np.array(slots, np.int64)
     if masks:  # only tests build items with an explicit mask
         local, local_offsets = _mask_lists(items)
@@ -114,7 +119,9 @@ def flatten(items: list[ForwardItem], paged: bool = True) -> FlatStep:
                     max((len(it.token_ids) for it in items), default=1))
 
 
-NO_LIST = -2  # the parent `tree_lists` reads for a token outside any tree (a causal item's)
+# The parent `tree_lists` reads for a token outside any tree (a causal item's): a value no tree
+# passes, so any other negative parent is an error.
+NO_LIST = np.iinfo(np.int64).min
 
 
 @njit(cache=True)
