@@ -30,11 +30,11 @@ if [ "$DEVICE" = cuda ]; then
   fi
   export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$OUT/log.txt" 2>&1
-  CONC_HI=64; TOKENS=128
+  CONC_HI=64; TOKENS=128; SPEED_TIMEOUT=50
   limit() { case "$1:$2" in code_edit:1) echo 4;; spec_bench:1) echo 1;; code_edit:*) echo 64;; *) echo 5;; esac; }
 else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-  CONC_HI=4; TOKENS=16
+  CONC_HI=4; TOKENS=16; SPEED_TIMEOUT=300  # the bundled model on 2 CPU cores: ~90 s a step
   limit() { echo 1; }
 fi
 NG="$PY -m ngramspec"
@@ -92,7 +92,7 @@ timeout 80 $NG bench engine --device "$DEVICE" --attention-backend "$ATTN" $EAGE
 for wl in code_edit spec_bench; do
   for c in 1 "$CONC_HI"; do
     log "bench speed $wl c=$c"
-    timeout 50 $NG bench speed --device "$DEVICE" --attention-backend "$ATTN" $EAGER \
+    timeout "$SPEED_TIMEOUT" $NG bench speed --device "$DEVICE" --attention-backend "$ATTN" $EAGER \
       --workload "$wl" --concurrency "$c" \
       --limit "$(limit "$wl" "$c")" --max-tokens "$TOKENS" --spec-bench-path "$QUESTIONS" --skip-hf \
       --skip-verify-cost --json > "$OUT/speed_${wl}_c${c}.json" 2>> "$OUT/log.txt"
