@@ -79,8 +79,9 @@ def flatten(items: list[ForwardItem], paged: bool = True) -> FlatStep:
     seq_offsets, prefix_offsets = [0], [0]
     prefixes: list[list[int]] = []
     causal: list[int] = []
-    parents: list[int] = []  # [T] each tree token's parent in its tree, -2 for other tokens
-    trees = masks = False
+    parents: list[int] = []  # every tree's parents, concatenated
+    tree_starts: list[int] = []  # [B] where each item's parents begin there, -1 if not a tree
+    masks = False
     for it in items:
         base = len(ids)
         rows += [base + r for r in it.logits_rows]
@@ -93,78 +94,77 @@ def flatten(items: list[ForwardItem], paged: bool = True) -> FlatStep:
         prefixes.append(it.prefix_slots)
         prefix_offsets.append(prefix_offsets[-1] + len(it.prefix_slots))
         causal.append(int(it.causal))
-        if it.parents is not None:
-            if len(it.parents) != len(it.token_ids):
-                raise ValueError(f"a tree item has {len(it.parents)} parents for "
-                                 f"{len(it.token_ids)} tokens")
-            parents += it.parents
-            trees = True
-        else:
-            parents += [NO_LIST] * len(it.token_ids)
+        if it.parents is None:
+            tree_starts.append(-1)
             masks = masks or it.local_mask is not None
+            continue
+        if len(it.parents) != len(it.token_ids):
+            raise ValueError(f"a tree item has {len(it.parents)} parents for "
+                             f"{len(it.token_ids)} tokens")
+        tree_starts.append(len(parents))
+        parents += it.parents
     if len(slots) != len(ids):  # the kernel reads a slot per token, unchecked
         raise ValueError(f"the items have {len(slots)} slots for {len(ids)} query tokens")
     slot_array = np.array(slots, np.int64)
-    if masks:  # only tests build items with an explicit mask
+    if not paged:
+        local, local_offsets = np.zeros(0, np.int64), np.zeros(1, np.int64)
+    elif masks:  # only tests build items with an explicit mask
         local, local_offsets = _mask_lists(items)
-    elif trees:
+    elif parents:
         local, local_offsets = tree_lists(np.array(parents, np.int64),
+                                          np.array(tree_starts, np.int64),
                                           np.array(seq_offsets, np.int64), slot_array)
     else:
         local, local_offsets = np.zeros(0, np.int64), np.zeros(len(ids) + 1, np.int64)
-    if not paged:
-        local_offsets = np.zeros(1, np.int64)
     return FlatStep(ids, positions, slot_array, rows, seq_offsets, prefixes, prefix_offsets,
                     local, local_offsets, causal,
                     max((len(it.token_ids) for it in items), default=1))
 
 
-# The parent `tree_lists` reads for a token outside any tree (a causal item's): a value no tree
-# passes, so any other negative parent is an error.
-NO_LIST = np.iinfo(np.int64).min
-
-
 @njit(cache=True)
-def tree_lists(parents: np.ndarray, seq_offsets: np.ndarray, slots: np.ndarray
-               ) -> tuple[np.ndarray, np.ndarray]:
+def tree_lists(parents: np.ndarray, tree_starts: np.ndarray, seq_offsets: np.ndarray,
+               slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Every token's visible query-token slots, concatenated, and their offsets ([T + 1]): a tree
-    token's list is its parent's, then its own slot; a token whose parent is NO_LIST has none.
-    `parents` [T] index within each item (items are seq_offsets [B + 1] apart; -1 for a root,
-    each parent before its child). A Python loop over the nodes cost ~0.2 ms a step at 64 trees
-    of 12 nodes, and converting its lists to tensors as much again."""
-    num = parents.shape[0]
+    token's list is its parent's, then its own slot; a token of an item that is not a tree has
+    none. Item b's tokens are seq_offsets[b] .. seq_offsets[b + 1] - 1 ([B + 1]); a tree's
+    parents are parents[tree_starts[b]:] (-1 for the root, else an index within the tree before
+    the node's own), tree_starts[b] -1 for other items. A Python loop over the nodes cost
+    ~0.2 ms a step at 64 trees of 12 nodes, and converting its lists to tensors as much again."""
+    num = slots.shape[0]
     offsets = np.zeros(num + 1, np.int64)
     for b in range(seq_offsets.shape[0] - 1):  # each list's length: its depth + 1
-        first = seq_offsets[b]
+        first, start = seq_offsets[b], tree_starts[b]
         for t in range(first, seq_offsets[b + 1]):
-            parent = parents[t]
             length = 0
-            if parent == -1:
-                length = 1
-            elif parent >= 0:
-                if parent >= t - first:
+            if start >= 0:
+                parent = parents[start + t - first]
+                if parent == -1:
+                    length = 1
+                elif parent < -1:
+                    raise ValueError("a tree node's parent must be -1 (the root) or a node index")
+                elif parent >= t - first:
                     raise ValueError("a tree node's parent must come before it")
-                length = offsets[first + parent + 1] - offsets[first + parent] + 1
-            elif parent != NO_LIST:
-                raise ValueError("a tree node's parent must be -1 (the root) or a node index")
+                else:
+                    length = offsets[first + parent + 1] - offsets[first + parent] + 1
             offsets[t + 1] = offsets[t] + length
     local = np.empty(offsets[num], np.int64)
     for b in range(seq_offsets.shape[0] - 1):
-        first = seq_offsets[b]
+        first, start = seq_offsets[b], tree_starts[b]
+        if start < 0:
+            continue
         for t in range(first, seq_offsets[b + 1]):
             lo, hi = offsets[t], offsets[t + 1]
-            if hi > lo:
-                parent = parents[t]
-                if parent >= 0:
-                    local[lo:hi - 1] = local[offsets[first + parent]:offsets[first + parent + 1]]
-                local[hi - 1] = slots[t]
+            parent = parents[start + t - first]
+            if parent >= 0:
+                local[lo:hi - 1] = local[offsets[first + parent]:offsets[first + parent + 1]]
+            local[hi - 1] = slots[t]
     return local, offsets
 
 
 @functools.cache
 def warm_up() -> None:
     """Load (or compile: ~3 s the first time) `tree_lists` once per process."""
-    tree_lists(np.array([-1, 0, NO_LIST]), np.array([0, 2, 3]), np.array([5, 6, 7]))
+    tree_lists(np.array([-1, 0]), np.array([0, -1]), np.array([0, 2, 3]), np.array([5, 6, 7]))
 
 
 def _mask_lists(items: list[ForwardItem]) -> tuple[np.ndarray, np.ndarray]:
