@@ -221,8 +221,7 @@ def run_concurrent(engines: dict[str, Any], prompts: list[list[int]], max_tokens
                    eos: set[int], rounds: int = 2) -> dict[str, Any]:
     """The batch `rounds` times, every other round in reverse order (so plain and spec take turns
     going first); each engine's best round counts, as timeit's (on a shared machine noise only
-    adds time: one round each once put spec 4% under plain at 16 chat requests, where best-of-two
-    rounds measure them within 1%). Every round's tok/s is in the JSON."""
+    adds time). Every round's tok/s is in the JSON."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     names = ["llama.cpp", "plain", "spec"]
     runs: dict[str, list[float]] = {name: [] for name in names}
