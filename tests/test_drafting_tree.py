@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -9,7 +10,7 @@ from ngramspec.drafting.config import DrafterConfig
 from ngramspec.drafting.drafter import NgramDrafter
 from ngramspec.drafting.index.sam import SEPARATOR, SuffixAutomaton
 from ngramspec.drafting.sources import CONTEXT, CORPUS, TRIE
-from ngramspec.drafting.tree import DraftTree
+from ngramspec.drafting.tree import DraftBatch, DraftTree
 
 
 class Corpora:
@@ -112,3 +113,61 @@ def test_corpus_drafts_never_cross_a_document_separator(docs, prompt):
         path = [tree.token_ids[j] for j in tree.path_to(i)]
         # The matched suffix ends with the root token; root + path lies inside one document.
         assert occurs_in_one_document([prompt[-1]] + path, docs)
+
+
+# ---- DraftBatch: the trees as arrays ------------------------------------------------------------
+
+def random_tree(draw: st.DrawFn, max_nodes: int = 12) -> DraftTree:
+    n = draw(st.integers(1, max_nodes))
+    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+    probs = sorted((draw(st.floats(0.0, 1.0)) for _ in range(n - 1)), reverse=True)
+    return DraftTree([draw(st.integers(0, 50_000)) for _ in range(n)], parents, [1.0] + probs,
+                     [-1] + [draw(st.integers(0, 2)) for _ in range(n - 1)])
+
+
+trees_lists = st.lists(st.composite(random_tree)(), max_size=6)
+
+
+def as_tuple(tree: DraftTree) -> tuple:
+    return tree.token_ids, tree.parents, tree.probs, tree.sources
+
+
+@given(trees_lists, st.integers(1, 14), st.data())
+@settings(max_examples=100, deadline=None)
+def test_draft_batch_round_trips_and_cuts_prefixes(trees, min_width, data):
+    batch = DraftBatch.from_trees(trees, min_width)
+    assert batch.width >= min_width
+    assert [as_tuple(t) for t in batch] == [as_tuple(t) for t in trees]
+    assert batch.sizes.tolist() == [len(t) for t in trees]
+    sizes = [data.draw(st.integers(1, len(t))) for t in trees]
+    got = batch.prefixes(sizes)
+    assert [as_tuple(t) for t in got] == [as_tuple(t.prefix(k - 1)) for t, k in zip(trees, sizes)]
+    for i, tree in enumerate(trees):
+        assert as_tuple(batch.tree(i)) == as_tuple(tree)
+    if trees:  # a replaced row is cut to the width, best-first
+        wide = data.draw(st.composite(random_tree)(max_nodes=20))
+        batch.replace(0, wide)
+        assert as_tuple(batch[0]) == as_tuple(wide.prefix(batch.width - 1))
+        with pytest.raises(ValueError, match="at most each tree's size"):
+            batch.prefixes([batch.width + 1] + sizes[1:])
+
+
+@given(scenario)
+@settings(max_examples=30, deadline=None)
+def test_drafter_batch_rows_are_its_trees(sc):
+    """The kernel writes only a tree's own columns: the batch read row by row, whole, or cut
+    gives the same trees."""
+    cfg = DrafterConfig(capacity=sc["capacity"], max_trie_depth=6, draft_token_num=12)
+    drafter = NgramDrafter(cfg, Corpora(sc["docs"]))
+    ids = [f"r{i}" for i in range(len(sc["prompts"]))]
+    for rid, prompt in zip(ids, sc["prompts"]):
+        drafter.start(rid, prompt, references=sc["refs"])
+    for who, tokens, budget in sc["steps"]:
+        batch = drafter.propose(ids, [budget] * len(ids))
+        assert isinstance(batch, DraftBatch) and batch.width == cfg.draft_token_num
+        whole = [as_tuple(t) for t in batch.trees()]
+        assert [as_tuple(batch.tree(i)) for i in range(len(ids))] == whole
+        assert [as_tuple(t) for t in batch.prefixes(batch.sizes.tolist())] == whole
+        for t in batch:
+            check_tree(DraftTree(*as_tuple(t)), budget)
+        drafter.commit(ids[who % len(ids)], tokens)

@@ -67,7 +67,7 @@ def test_greedy_spec_equals_plain_with_threaded_drafting(llm, monkeypatch):
     threaded = step.propose_parallel
 
     def counted(*args):
-        calls.append(len(args[2]) // 2)
+        calls.append((len(args[0]) - args[1]) // 2)  # the batch: io after the queue
         return threaded(*args)
 
     monkeypatch.setattr(step, "propose_parallel", counted)

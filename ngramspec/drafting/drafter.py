@@ -39,7 +39,7 @@ from ngramspec.drafting.kernels import build as bk
 from ngramspec.drafting.kernels import step
 from ngramspec.drafting.kernels.sam import CorpusBank
 from ngramspec.drafting.sources import NUM_SOURCES, SOURCE_NAMES
-from ngramspec.drafting.tree import DraftTree
+from ngramspec.drafting.tree import DraftBatch
 
 
 @dataclass(slots=True)
@@ -115,8 +115,6 @@ class NgramDrafter:
         self._layout = self._new_layout({})
         self._current_layout()  # the corpus bank is built here, not in the first step
         self._counts = np.zeros(2 * NUM_SOURCES, np.int64)  # drafted, then accepted, by source
-        self._rows = 0  # the output buffers' rows (_outputs)
-        self._outputs(1)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -281,7 +279,7 @@ class NgramDrafter:
 
     # ----------------------------------------------------------------- proposing
 
-    def propose(self, request_ids: list[str], budgets: list[int]) -> list[DraftTree]:
+    def propose(self, request_ids: list[str], budgets: list[int]) -> DraftBatch:
         if len(request_ids) != len(budgets):
             raise ValueError("request_ids and budgets must have the same length")
         layout = self._current_layout()
@@ -301,37 +299,21 @@ class NgramDrafter:
             slots.append(req.slot)
             capped.append(budget)
         # numpy calls cost ~0.3-0.7 µs each, which shows with one request: one input array for
-        # the queue and the batch (slots, then budgets), and output buffers kept between steps
+        # the queue and the batch (slots, then budgets), and one output array per dtype
         io, queued = self._queued_io(slots + capped)
         g = self._globals_now(layout)
         num, nodes = len(slots), self._nodes
-        out, out_p = self._outputs(num)
+        # New each step: the batch returned owns them (kernels/step.py `_build_one` has the
+        # layout: tokens, parents, sources, then the node count; path probabilities).
+        out = np.empty((num, 3 * nodes + 1), np.int64)
+        out_p = np.empty((num, nodes), np.float64)
         # Threads only pay off with a few requests each (a parallel region costs ~1.5 µs); a slot
         # named twice (a caller's bug) would be built by two threads at once.
         kernel = step.propose
         if self._threads > 1 and num >= 4 * self._threads and len(set(slots)) == num:
             kernel = step.propose_parallel
         self._after_queue(kernel(io, queued, out, out_p, g, self._min_path_prob))
-        # One list per field straight from tolist (slicing four lists cost ~0.2 µs a request).
-        trees = []
-        for (token_ids, parents, sources), probs in zip(self._out3[:num].tolist(),
-                                                        out_p[:num].tolist()):
-            n = int(probs.pop())
-            if n < nodes:
-                del token_ids[n:], parents[n:], sources[n:], probs[n:]
-            trees.append(_trusted_tree(token_ids, parents, probs, sources))
-        return trees
-
-    def _outputs(self, num: int) -> tuple[np.ndarray, np.ndarray]:
-        """The kernels' output rows for `num` trees (tokens, parents and sources; path
-        probabilities and the node count), grown as needed; `_out3` views the first as
-        [rows, 3, nodes]. Reused: each step's trees are converted to lists before the next."""
-        if num > self._rows:
-            self._rows = rows = max(num, 2 * self._rows, 16)
-            self._out = np.zeros((rows, 3 * self._nodes), np.int64)
-            self._out_p = np.zeros((rows, self._nodes + 1), np.float64)
-            self._out3 = self._out.reshape(rows, 3, self._nodes)
-        return self._out, self._out_p
+        return DraftBatch(out, out_p)
 
     def _current_layout(self) -> _Layout:
         """The layout of the corpora in use now (a new one when the snapshot changed)."""
@@ -433,15 +415,6 @@ def _int32s(tokens: list) -> bool:
         return all(-(2**31) <= operator.index(t) < 2**31 for t in tokens)
     except TypeError:
         return False
-
-
-def _trusted_tree(tokens: list[int], parents: list[int], probs: list[float],
-                  sources: list[int]) -> DraftTree:
-    """A DraftTree without re-validating it: the build kernel only ever emits parents < i, and
-    the O(n) Python check would cost ~10% of a whole step. Tests validate these trees."""
-    tree = object.__new__(DraftTree)
-    tree.token_ids, tree.parents, tree.probs, tree.sources = tokens, parents, probs, sources
-    return tree
 
 
 @functools.cache

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from ngramspec.drafting.tree import DraftTree
@@ -13,8 +14,10 @@ class Drafter(Protocol):
     ) -> None:
         """Begin a request. `references` are per-request documents it may copy from."""
 
-    def propose(self, request_ids: list[str], budgets: list[int]) -> list[DraftTree]:
-        """One tree per request; `budgets[i]` caps its number of draft nodes (root excluded)."""
+    def propose(self, request_ids: list[str], budgets: list[int]) -> Sequence[DraftTree]:
+        """One tree per request; `budgets[i]` caps its number of draft nodes (root excluded).
+        A list, or a DraftBatch (the trees as arrays, which the engine sizes without reading
+        every tree into Python)."""
 
     def commit(self, request_id: str, accepted_token_ids: list[int]) -> None:
         """Tokens appended to the request (accepted drafts + the bonus, or a plain decode)."""

@@ -8,7 +8,7 @@ import numpy as np
 
 from ngramspec.drafting.config import DrafterConfig
 from ngramspec.drafting.protocol import Drafter
-from ngramspec.drafting.tree import DraftTree
+from ngramspec.drafting.tree import DraftBatch, DraftTree
 from ngramspec.engine.acceptance import PathProbCalibrator, RequestAcceptance
 from ngramspec.engine.cost_model import VerifyCost
 from ngramspec.engine.scheduler import Schedule, ScheduledChunk
@@ -71,35 +71,39 @@ class Speculator:
         budget = min(self.config.num_draft_tokens, schedule.spare_tokens // len(chunks))
         if budget <= 0 or self._idle_skip(batch_bucket(len(schedule.decodes))):
             return {}
-        trees = self.drafter.propose([c.seq.request_id for c in chunks], [budget] * len(chunks))
+        # At least budget + 1 columns: a grammar's forced chain may fill all of them.
+        batch = DraftBatch.from_trees(
+            self.drafter.propose([c.seq.request_id for c in chunks], [budget] * len(chunks)),
+            budget + 1)
         # Under a grammar: forced tokens first, forbidden nodes out, before anything is sized.
-        trees = [c.seq.grammar.constrain(tree) if c.seq.grammar is not None else tree
-                 for c, tree in zip(chunks, trees)]
-        trees = [tree.prefix(budget) if tree.num_drafts > budget else tree for tree in trees]
+        for i, c in enumerate(chunks):
+            if c.seq.grammar is not None:
+                batch.replace(i, c.seq.grammar.constrain(batch.tree(i)))
+        lengths = np.minimum(batch.sizes, budget + 1)  # nodes, root included
         if self.cost is not None:
-            trees = self._size(chunks, trees, schedule, self.cost)
+            sizes = self._size(chunks, batch, lengths, schedule, self.cost)
+        else:
+            sizes = (lengths - 1).tolist()
         out: dict[int, DraftTree] = {}
-        for chunk, tree in zip(chunks, trees):
+        for chunk, tree in zip(chunks, batch.prefixes([k + 1 for k in sizes])):
             # The root is the sequence's last token whatever the drafter says: never trust a
             # drafter with what the model sees.
             tree.token_ids[0] = chunk.seq.token_ids[-1]
             out[chunk.seq.seq_id] = tree
         return out
 
-    def _size(self, chunks: list[ScheduledChunk], trees: list[DraftTree], schedule: Schedule,
-              cost: VerifyCost) -> list[DraftTree]:
-        """Keep the prefix of each tree that pays for its verify cost.
+    def _size(self, chunks: list[ScheduledChunk], batch: DraftBatch, lengths: np.ndarray,
+              schedule: Schedule, cost: VerifyCost) -> list[int]:
+        """The drafts of each tree (its first `lengths[i]` nodes) that pay for their verify cost.
 
         Trees keep the drafter's estimates (what the global calibrator learns from; they already
         carry the drafter's per-request, per-source gain); the sizing uses them calibrated
         globally and then per request.
         """
-        num = len(trees)
-        lengths = np.fromiter((len(tree) for tree in trees), np.int64, num)
+        num = len(batch)
         width = int(lengths.max())
         held = np.arange(width) < lengths[:, None]  # [trees, width]: the nodes each tree has
-        raw = np.zeros((num, width))
-        raw[held] = [p for tree in trees for p in tree.probs]  # row-major: (tree, node) order
+        raw = np.where(held, batch.probs[:, :width], 0.0)  # columns past a tree's end: undefined
         calibrated = self.calibrator.correct_rows(raw)
         factors = np.array([self.per_request.factor(c.seq.seq_id) for c in chunks])
         probs = self.per_request.scale_rows(factors, calibrated)
@@ -119,7 +123,7 @@ class Speculator:
         for c, k, row in zip(chunks, sizes, sums):
             self._expected[c.seq.seq_id] = row[k - 1] if k else 0.0
         self._predicted = (cost(base), predicted_step_cost(sizes, base, cost))
-        return [tree.prefix(k) for tree, k in zip(trees, sizes)]
+        return sizes
 
     def _idle_skip(self, bucket: int) -> bool:
         """Whether to skip drafting this step: the cost-sized trees at this batch size have kept

@@ -223,8 +223,8 @@ def _build_one(i, t, batch, out, out_p, addr, size, params, min_path_prob, cal, 
                s_ints, s_floats, cols, edges, meta, states, trans, corpus_edges, roots,
                work) -> None:
     """Request i of the batch with thread t's scratch: its tree into row i of `out` (tokens,
-    parents and sources, nodes columns each) and of `out_p` (path probabilities, then the node
-    count in the last column: one array less to convert)."""
+    parents and sources, nodes columns each, then the node count) and of `out_p` (path
+    probabilities); only a tree's own nodes are written."""
     nodes = params[bk.P_NODES]
     num = batch.shape[0] // 2
     slot = batch[i]
@@ -237,11 +237,12 @@ def _build_one(i, t, batch, out, out_p, addr, size, params, min_path_prob, cal, 
                  _view(addr, size, slot, F_ST, np.int64), cal, settings, params,
                  batch[num + i],
                  min_path_prob, s_ints[t], s_floats[t], r_ints, r_floats, stats, bank, work[t])
-    for j in range(3 * nodes):
-        out[i, j] = r_ints[bk.R_HEAD + j]
+    for f in range(3):
+        for j in range(n):
+            out[i, f * nodes + j] = r_ints[bk.R_HEAD + f * nodes + j]
     for j in range(n):
         out_p[i, j] = r_floats[j]
-    out_p[i, nodes] = n
+    out[i, 3 * nodes] = n
 
 
 @njit(cache=True)
