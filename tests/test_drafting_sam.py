@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from numba import njit
 
 from ngramspec.drafting.index.sam import ROOT, SEPARATOR, SuffixAutomaton
+from ngramspec.drafting.kernels import sam as sk
 
 docs_strategy = st.lists(
     st.lists(st.integers(0, 3), min_size=1, max_size=25), min_size=1, max_size=3
@@ -208,3 +210,57 @@ def test_builds_200k_tokens_quickly():
     elapsed = time.perf_counter() - start
     assert sam.num_states <= 2 * len(stream)
     assert elapsed < 15.0  # ~5 µs/token in pure Python on a loaded 2-core box
+
+
+@njit  # not cached: numba would not see a change in kernels/sam.py
+def _interleaved(states, trans, roots, matches, toks, los, cap):
+    """The batch driver's loop (kernels/step.py `_catch_up_batch`) over plain arrays: every
+    (request, corpus) walk advanced one stage at a time, round-robin."""
+    num, corpora = matches.shape[0], roots.shape[0]
+    lanes = np.empty((num * corpora, sk.LANE_COLUMNS), np.int64)
+    live = 0
+    for i in range(num):
+        for k in range(corpora):
+            if sk.start_lane(roots, k, matches[i, k], los[i], toks.shape[1], cap, lanes[live]):
+                lanes[live, sk.L_SLOT] = i
+                live += 1
+    while live > 0:
+        j = 0
+        while j < live:
+            i, k = lanes[j, sk.L_SLOT], lanes[j, sk.L_CORPUS]
+            if sk.step_lane(states, trans, roots[k], lanes[j], toks[i], cap):
+                sk.finish_lane(lanes[j], matches[i, k])
+                live -= 1
+                lanes[j, :] = lanes[live, :]
+            else:
+                j += 1
+
+
+@njit  # not cached: numba would not see a change in kernels/sam.py
+def _one_by_one(states, trans, roots, matches, toks, los, cap):
+    for i in range(matches.shape[0]):
+        sk.catch_up(states, trans, roots, matches[i], toks[i], los[i], toks.shape[1], cap)
+
+
+@given(st.lists(docs_strategy, min_size=1, max_size=3),
+       st.lists(st.lists(st.sampled_from([0, 1, 2, 3, SEPARATOR]), min_size=12, max_size=12),
+                min_size=1, max_size=5),
+       st.integers(1, 6), st.data())
+@settings(max_examples=150, deadline=None)
+def test_interleaved_catch_up_equals_catch_up(corpora, toks, cap, data):
+    """The prefetching walks of a batch (kernels/sam.py `step_lane`) end where `catch_up` does,
+    from fresh (-1) and part-fed matches, across separators and the length clamp."""
+    bank = sk.CorpusBank([build(docs)[0] for docs in corpora])
+    toks = np.array(toks, np.int32)
+    num = len(toks)
+    los = np.array([data.draw(st.integers(0, 4)) for _ in range(num)], np.int64)
+    matches = np.stack([bank.new_matches() for _ in range(num)])
+    for i in range(num):  # some walks part-fed already: feed a prefix the slow way first
+        fed = data.draw(st.integers(0, 11))
+        if fed:
+            sk.catch_up(bank.states, bank.trans, bank.roots, matches[i], toks[i], los[i],
+                        max(fed, int(los[i])), cap)
+    want = matches.copy()
+    _one_by_one(bank.states, bank.trans, bank.roots, want, toks, los, cap)
+    _interleaved(bank.states, bank.trans, bank.roots, matches, toks, los, cap)
+    assert matches.tolist() == want.tolist()

@@ -35,6 +35,8 @@ from numba.extending import intrinsic
 
 from ngramspec.drafting.kernels import build as bk
 from ngramspec.drafting.kernels import commit as cm
+from ngramspec.drafting.kernels import context as cx
+from ngramspec.drafting.kernels import sam as sk
 
 F_TOK, F_PREV, F_HASHES, F_TABLE, F_ST, F_TSTATE, F_INTS, F_FLOATS, F_MATCHES = range(9)
 NUM_FIELDS = 9
@@ -271,6 +273,47 @@ def build_block(lo, hi, t, batch, out, out_p, g, min_path_prob) -> None:
 
 
 @njit(cache=True, inline="always")
+def _catch_up_batch(batch, g) -> None:
+    """Every corpus match of the batch's drafting requests fed its new tokens (what each build's
+    `sam.catch_up` would do, which then finds nothing left), the walks interleaved so that their
+    cache misses overlap (kernels/sam.py `step_lane`). Prefetching what the builds' suffix-link
+    climbs read next as well measured no faster (alternating, 64 in flight)."""
+    roots = _g1(g, G_ROOTS, np.int64)
+    num, corpora = batch.shape[0] // 2, roots.shape[0]
+    if corpora == 0:
+        return
+    addr, size = _g2(g, G_ADDR, np.int64), _g2(g, G_SIZE, np.int64)
+    states, trans = _g2(g, G_STATES, np.int32), _g2(g, G_TRANS, np.int32)
+    cap = _g1(g, G_PARAMS, np.int64)[bk.P_SAM_MATCH]
+    lanes = _raw(np.empty((num * corpora, sk.LANE_COLUMNS), np.int64))
+    live = 0
+    for i in range(num):
+        if batch[num + i] <= 0:  # no tree: its build reads no match
+            continue
+        slot = batch[i]
+        lo = _view(addr, size, slot, F_INTS, np.int64)[bk.R_TRIE_START]
+        n = _view(addr, size, slot, F_ST, np.int64)[cx.NUM]
+        match = _view2(addr, size, slot, F_MATCHES, 3, np.int64)
+        for k in range(corpora):
+            if sk.start_lane(roots, k, match[k], lo, n, cap, lanes[live]):
+                lanes[live, sk.L_SLOT] = slot
+                live += 1
+    while live > 0:
+        j = 0
+        while j < live:
+            lane = lanes[j]
+            slot, k = lane[sk.L_SLOT], lane[sk.L_CORPUS]
+            if sk.step_lane(states, trans, roots[k], lane,
+                            _view(addr, size, slot, F_TOK, np.int32), cap):
+                sk.finish_lane(lane, _view2(addr, size, slot, F_MATCHES, 3, np.int64)[k])
+                live -= 1
+                for c in range(sk.LANE_COLUMNS):  # a loop: no parfor in propose_parallel
+                    lanes[j, c] = lanes[live, c]
+            else:
+                j += 1
+
+
+@njit(cache=True, inline="always")
 def _propose(io, queued, out, out_p, g, min_path_prob) -> int:
     """The queue (io[:queued]), then one tree per request of the batch (io[queued:]: its slots,
     then their budgets). The queue runs alone (it writes the shared trie and calibration); a
@@ -288,6 +331,7 @@ def _propose(io, queued, out, out_p, g, min_path_prob) -> int:
     threads = min(g[G_S_INTS, 1], g[G_WORK, 1], thread_stats.shape[0])
     batch = io[queued:]
     num = batch.shape[0] // 2
+    _catch_up_batch(batch, g)
     for t in prange(threads):
         build_block(t * num // threads, (t + 1) * num // threads, t, batch, out, out_p, g,
                     min_path_prob)
