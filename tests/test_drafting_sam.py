@@ -236,10 +236,20 @@ def _interleaved(states, trans, roots, matches, toks, los, cap):
                 j += 1
 
 
-@njit  # not cached: numba would not see a change in kernels/sam.py
-def _one_by_one(states, trans, roots, matches, toks, los, cap):
-    for i in range(matches.shape[0]):
-        sk.catch_up(states, trans, roots, matches[i], toks[i], los[i], toks.shape[1], cap)
+def _reference_catch_up(sams, roots, match, tok, lo, n, cap) -> None:
+    """The oracle of a request's walks: feed each corpus's match tok[fed:n] with the Python
+    automaton's `advance` (from the root over the last `cap` tokens from `lo` on when marked
+    -1); the bank numbers corpus k's states from roots[k] instead of ROOT."""
+    for k, sam in enumerate(sams):
+        base = int(roots[k]) - ROOT
+        fed = int(match[k, sk.M_FED])
+        if fed < 0:
+            state, length, fed = ROOT, 0, max(lo, n - cap)
+        else:
+            state, length = int(match[k, sk.M_STATE]) - base, int(match[k, sk.M_LEN])
+        for i in range(fed, n):
+            state, length = sam.advance(state, length, int(tok[i]), cap)
+        match[k] = (state + base, length, n)
 
 
 @given(st.lists(docs_strategy, min_size=1, max_size=3),
@@ -247,20 +257,24 @@ def _one_by_one(states, trans, roots, matches, toks, los, cap):
                 min_size=1, max_size=5),
        st.integers(1, 6), st.data())
 @settings(max_examples=150, deadline=None)
-def test_interleaved_catch_up_equals_catch_up(corpora, toks, cap, data):
-    """The prefetching walks of a batch (kernels/sam.py `step_lane`) end where `catch_up` does,
-    from fresh (-1) and part-fed matches, across separators and the length clamp."""
-    bank = sk.CorpusBank([build(docs)[0] for docs in corpora])
+def test_interleaved_catch_up_equals_advance(corpora, toks, cap, data):
+    """The prefetching walks of a batch (kernels/sam.py `step_lane`) end where the automaton's
+    `advance` does, from fresh (-1) and part-fed matches, across separators and the length
+    clamp."""
+    sams = [build(docs)[0] for docs in corpora]
+    bank = sk.CorpusBank(sams)
     toks = np.array(toks, np.int32)
     num = len(toks)
-    los = np.array([data.draw(st.integers(0, 4)) for _ in range(num)], np.int64)
+    los = [data.draw(st.integers(0, 4)) for _ in range(num)]
     matches = np.stack([bank.new_matches() for _ in range(num)])
-    for i in range(num):  # some walks part-fed already: feed a prefix the slow way first
+    for i in range(num):  # some walks part-fed already
         fed = data.draw(st.integers(0, 11))
         if fed:
-            sk.catch_up(bank.states, bank.trans, bank.roots, matches[i], toks[i], los[i],
-                        max(fed, int(los[i])), cap)
+            _reference_catch_up(sams, bank.roots, matches[i], toks[i], los[i], max(fed, los[i]),
+                                cap)
     want = matches.copy()
-    _one_by_one(bank.states, bank.trans, bank.roots, want, toks, los, cap)
-    _interleaved(bank.states, bank.trans, bank.roots, matches, toks, los, cap)
+    for i in range(num):
+        _reference_catch_up(sams, bank.roots, want[i], toks[i], los[i], toks.shape[1], cap)
+    _interleaved(bank.states, bank.trans, bank.roots, matches, toks, np.array(los, np.int64),
+                 cap)
     assert matches.tolist() == want.tolist()

@@ -43,7 +43,7 @@ class DraftTree:
 
     @classmethod
     def root_only(cls, root_token: int) -> DraftTree:
-        return cls([root_token], [-1], [1.0], [-1])
+        return trusted_tree([root_token], [-1], [1.0], [-1])  # valid as written
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -170,12 +170,16 @@ class DraftBatch(Sequence):
         """`trees` as a batch at least `min_width` columns wide (a batch that is: itself)."""
         if isinstance(trees, DraftBatch) and trees.width >= min_width:
             return trees
+        width = max(min_width, *(len(t) for t in trees)) if trees else min_width
+        ints: list[int] = []
+        probs: list[float] = []
+        for tree in trees:  # padded rows in one flat list per dtype, then one conversion each
+            pad = [0] * (width - len(tree))
+            ints += [*tree.token_ids, *pad, *tree.parents, *pad, *tree.sources, *pad, len(tree)]
+            probs += [*tree.probs, *[0.0] * len(pad)]
         num = len(trees)
-        width = max(min_width, *(len(t) for t in trees)) if num else min_width
-        batch = cls(np.zeros((num, 3 * width + 1), np.int64), np.zeros((num, width)))
-        for i, tree in enumerate(trees):
-            batch.replace(i, tree)
-        return batch
+        return cls(np.fromiter(ints, np.int64, len(ints)).reshape(num, 3 * width + 1),
+                   np.fromiter(probs, np.float64, len(probs)).reshape(num, width))
 
     @property
     def width(self) -> int:
@@ -239,7 +243,7 @@ class DraftBatch(Sequence):
                 row, p = next(ints), next(probs)
                 out.append(trusted_tree(row[:k], row[w:w + k], p[:k], row[2 * w:2 * w + k]))
             else:
-                out.append(trusted_tree([roots[i]], [-1], [1.0], [-1]))
+                out.append(DraftTree.root_only(roots[i]))
         return out
 
     def replace(self, i: int, tree: DraftTree) -> None:

@@ -408,10 +408,10 @@ def _root_cursors(cols, edges, tmeta, tstate, trie_start, tok, prev, cst, params
             c = _new_cursor(s_cur, counts, TRIE, node, 0, 0, k + 1, -1)
             head, tail = _link(s_cur, head, tail, c)
             last_count, num_trie = count, num_trie + 1
-    states, trans, roots, match = bank[0], bank[1], bank[3], bank[4]
+    # The matches were fed this step's tokens before the builds (step.py `_catch_up_batch`).
+    states, roots, match = bank[0], bank[3], bank[4]
     if roots.shape[0] == 0:
         return head
-    sk.catch_up(states, trans, roots, match, tok, trie_start, n, params[P_SAM_MATCH])
     for k in range(roots.shape[0]):
         # Suffix-link climb from the match: states with >= 1 continuation, longest first.
         state, length, taken = match[k, sk.M_STATE], match[k, sk.M_LEN], 0

@@ -13,8 +13,9 @@ Corpus k's states are `roots[k] .. roots[k + 1] - 1` and its links and edges sta
 The tables cost 24 B per edge plus 16 B per state (90 MB for the 1.2M-token standard-library
 corpus, whose automaton arrays are 117 MB); they are built once per snapshot change.
 
-The kernels are SuffixAutomaton.transition / advance / match_state on these tables, with the same
-results (the lockstep tests compare the drafters tree for tree).
+The kernels are SuffixAutomaton.transition and the streaming match (SuffixAutomaton.advance, fed
+token by token, which equals match_state) on these tables, with the same results (the lockstep
+tests compare the drafters tree for tree; tests/test_drafting_sam.py the walks).
 """
 
 from __future__ import annotations
@@ -91,51 +92,17 @@ def transition(states, trans, state, token) -> int:
     return -1
 
 
-@njit(cache=True, inline="always")
-def advance(states, trans, root, state, length, token, cap) -> tuple:
-    """SuffixAutomaton.advance: (state, length) of the longest suffix <= cap after `token`."""
-    if token == SEPARATOR:
-        return root, 0
-    while True:
-        nxt = transition(states, trans, state, token)
-        if nxt >= 0:
-            state, length = nxt, length + 1
-            break
-        if state == root:
-            return root, 0
-        state = states[state, S_LINK]
-        length = states[state, S_LEN]
-    if length > cap:
-        # Clamp: move to the state that holds the length-cap suffix.
-        while states[states[state, S_LINK], S_LEN] >= cap:
-            state = states[state, S_LINK]
-        length = cap
-    return state, length
-
-
-@njit(cache=True, inline="always")
-def catch_up(states, trans, roots, match, tok, lo, n, cap) -> None:
-    """Feed every corpus's match the context tokens it has not seen (tok[lo:n] are the
-    request's own tokens); a row marked -1 starts over from the last `cap` of them, which gives
-    the same match (SuffixAutomaton.match_state)."""
-    for k in range(roots.shape[0]):
-        fed = match[k, M_FED]
-        if fed < 0:
-            match[k, M_STATE], match[k, M_LEN], fed = roots[k], 0, max(lo, n - cap)
-        state, length = match[k, M_STATE], match[k, M_LEN]
-        for i in range(fed, n):
-            state, length = advance(states, trans, roots[k], state, length, tok[i], cap)
-        match[k, M_STATE], match[k, M_LEN], match[k, M_FED] = state, length, n
-
-
-# ---- catch_up for a whole batch, its walks interleaved ------------------------------------------
-# `catch_up` follows one chain of dependent reads per token (a state's row, the binary search of
-# its edges, the target's row; suffix links on a mismatch), and in a corpus of millions of states
-# nearly each is a cache miss: replays at 64 in flight spent ~1,800 cycles a tree there (rdtsc),
-# ~0.7 µs of a ~6 µs request-step. The walks of different requests are independent, so
-# `step_lane` splits one walk at every read that would miss: it issues a prefetch for that read
-# and returns, and the caller moves on to the other requests' walks before coming back. Each walk
-# reads and writes exactly what `catch_up` does, in the same order, so the matches are equal.
+# ---- a batch's matches caught up, their walks interleaved ---------------------------------------
+# Feeding a match its new tokens (SuffixAutomaton.advance per token; a match marked -1 starts over
+# from the request's last `cap` tokens, which gives match_state's result) follows one chain of
+# dependent reads per token (a state's row, the binary search of its edges, the target's row;
+# suffix links on a mismatch), and in a corpus of millions of states nearly each is a cache miss:
+# replays at 64 in flight spent ~1,800 cycles a tree there (rdtsc), ~0.7 µs of a ~6 µs
+# request-step. The walks of different requests are independent, so `step_lane` splits one walk
+# at every read that would miss: it issues a prefetch for that read and returns, and the caller
+# (kernels/step.py `_catch_up_batch`, before the builds, which read the matches) moves on to the
+# other requests' walks before coming back. Each walk makes advance's reads in advance's order,
+# so the matches are advance's (tests/test_drafting_sam.py checks them against the automaton).
 #
 # A lane is one (request, corpus) walk, an int64 row:
 L_STATE, L_LEN, L_NEXT, L_END, L_STAGE, L_LINK, L_SLOT, L_CORPUS = range(8)
@@ -146,8 +113,9 @@ FEED, SEARCH, LINKED, CLAMP_ROW, CLAMP_LINK = range(5)
 
 @njit(cache=True, inline="always")
 def start_lane(roots, k, match, lo, n, cap, lane) -> bool:
-    """Set up the walk of `match` (row k of a request's matches) over tok[fed:n] (`catch_up`'s
-    start); False when there is nothing to feed (the match is then up to date)."""
+    """Set up the walk of `match` (row k of a request's matches) over tok[fed:n], from the
+    root over the last `cap` tokens from `lo` on when the match is marked -1; False when there
+    is nothing to feed (the match is then up to date)."""
     fed = match[M_FED]
     state, length = match[M_STATE], match[M_LEN]
     if fed < 0:

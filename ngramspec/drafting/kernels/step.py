@@ -274,8 +274,8 @@ def build_block(lo, hi, t, batch, out, out_p, g, min_path_prob) -> None:
 
 @njit(cache=True, inline="always")
 def _catch_up_batch(batch, g) -> None:
-    """Every corpus match of the batch's drafting requests fed its new tokens (what each build's
-    `sam.catch_up` would do, which then finds nothing left), the walks interleaved so that their
+    """Every corpus match of the batch's drafting requests fed its new tokens before the builds
+    read them (a request without a tree is fed at its next), the walks interleaved so that their
     cache misses overlap (kernels/sam.py `step_lane`). Prefetching what the builds' suffix-link
     climbs read next as well measured no faster (alternating, 64 in flight)."""
     roots = _g1(g, G_ROOTS, np.int64)
