@@ -386,3 +386,44 @@ def test_a_batch_naming_a_request_twice_is_built_by_one_thread() -> None:
     trees_one, trees_two = one.propose(batch, [5] * 16), two.propose(batch, [5] * 16)
     assert [t.token_ids for t in trees_one] == [t.token_ids for t in trees_two]
     assert trees_two[0].token_ids == trees_two[8].token_ids
+
+
+def test_stale_kernel_cache_dropped_under_numba_cache_dir(tmp_path) -> None:
+    """An edit of any kernel module drops the cached machine code wherever numba keeps it:
+    beside the sources and under NUMBA_CACHE_DIR, in the folder numba itself names (a kernel
+    inlines other modules' kernels, which numba's own check does not see)."""
+    from numba.core.caching import _CacheLocator
+
+    from ngramspec.drafting.kernels import drop_stale_kernel_cache
+
+    package = tmp_path / "kernels"
+    package.mkdir()
+    (package / "build.py").write_text("x = 1\n")
+    user_dir = tmp_path / "numba_cache"
+    caches = [package / "__pycache__",
+              user_dir / _CacheLocator.get_suitable_cache_subpath(str(package / "build.py"))]
+
+    def plant() -> None:
+        for cache in caches:
+            cache.mkdir(parents=True, exist_ok=True)
+            (cache / "build.f-1.py311.nbi").write_text("")
+            (cache / "build.f-1.py311.1.nbc").write_text("")
+
+    def cached() -> list[int]:
+        return [len(list(cache.glob("*.nb?"))) for cache in caches]
+
+    plant()
+    drop_stale_kernel_cache(package, str(user_dir))  # no stamp yet: dropped
+    assert cached() == [0, 0]
+    plant()
+    drop_stale_kernel_cache(package, str(user_dir))  # unchanged sources: kept
+    assert cached() == [2, 2]
+    (package / "sam.py").write_text("y = 2\n")
+    drop_stale_kernel_cache(package, str(user_dir))  # a module added: dropped
+    assert cached() == [0, 0]
+    plant()
+    drop_stale_kernel_cache(package, "")  # no NUMBA_CACHE_DIR: only __pycache__ is checked
+    assert cached() == [2, 2]
+    (package / "build.py").write_text("x = 3\n")
+    drop_stale_kernel_cache(package, "")
+    assert cached() == [0, 2]

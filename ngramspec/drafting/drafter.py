@@ -313,7 +313,7 @@ class NgramDrafter:
         if self._threads > 1 and num >= 4 * self._threads and len(set(slots)) == num:
             kernel = step.propose_parallel
         self._after_queue(kernel(io, queued, out, out_p, g, self._min_path_prob))
-        return DraftBatch(out, out_p)
+        return DraftBatch.trusted(out, out_p)  # shaped above
 
     def _current_layout(self) -> _Layout:
         """The layout of the corpora in use now (a new one when the snapshot changed)."""

@@ -166,6 +166,14 @@ class DraftBatch(Sequence):
         self._trees: list[DraftTree] | None = None
 
     @classmethod
+    def trusted(cls, ints: np.ndarray, probs: np.ndarray) -> DraftBatch:
+        """A batch without the shape check, for arrays shaped by construction (the drafter's
+        own): the check cost ~0.3 µs of a ~7 µs request-step with one request in flight."""
+        batch = object.__new__(cls)
+        batch.ints, batch.probs, batch._trees = ints, probs, None
+        return batch
+
+    @classmethod
     def from_trees(cls, trees: Sequence[DraftTree], min_width: int = 1) -> DraftBatch:
         """`trees` as a batch at least `min_width` columns wide (a batch that is: itself)."""
         if isinstance(trees, DraftBatch) and trees.width >= min_width:

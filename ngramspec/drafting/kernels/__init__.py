@@ -16,33 +16,57 @@ code (eviction, rehashing) stays a call.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 
-def drop_stale_kernel_cache(package_dir: Path = Path(__file__).parent) -> None:
-    """Delete numba's on-disk cache when any module of this package changed.
+def drop_stale_kernel_cache(package_dir: Path = Path(__file__).parent,
+                            numba_cache_dir: str | None = None) -> None:
+    """Delete numba's on-disk cache of these kernels when any module of this package changed.
 
     numba (`cache=True`) checks only the file that defines a kernel, so a kernel that calls an
     edited kernel of another module would load stale machine code. One stamp of every source
-    here guards them all. Runs at package import, before any kernel loads its cache.
+    here guards them all, in each place numba may keep the cache: `__pycache__` beside the
+    sources, and the folder for this package under NUMBA_CACHE_DIR when that is set (numba's
+    default `numba_cache_dir`). Runs at package import, before any kernel loads its cache.
     """
-    cache = package_dir / "__pycache__"
     digest = hashlib.sha256()
     for source in sorted(package_dir.glob("*.py")):
         digest.update(source.name.encode() + source.read_bytes())
+    if numba_cache_dir is None:
+        from numba.core import config
+
+        numba_cache_dir = config.CACHE_DIR
+    for cache in _cache_dirs(package_dir, numba_cache_dir):
+        _drop_if_stale(cache, digest.hexdigest())
+
+
+def _cache_dirs(package_dir: Path, numba_cache_dir: str) -> list[Path]:
+    """`__pycache__`, and under NUMBA_CACHE_DIR the folder numba's user-provided cache locator
+    names "<folder name>_<sha1 of the folder's absolute path>" (numba.core.caching
+    `_CacheLocator.get_suitable_cache_subpath`)."""
+    dirs = [package_dir / "__pycache__"]
+    if numba_cache_dir:
+        folder = os.path.abspath(package_dir)
+        name = f"{os.path.basename(folder)}_{hashlib.sha1(folder.encode()).hexdigest()}"
+        dirs.append(Path(numba_cache_dir) / name)
+    return dirs
+
+
+def _drop_if_stale(cache: Path, stamp_text: str) -> None:
     stamp = cache / "kernels.stamp"
     try:
-        if stamp.read_text() == digest.hexdigest():
+        if stamp.read_text() == stamp_text:
             return
     except OSError:
         pass
     try:
-        cache.mkdir(exist_ok=True)
+        cache.mkdir(parents=True, exist_ok=True)
         for path in list(cache.glob("*.nbi")) + list(cache.glob("*.nbc")):
             path.unlink(missing_ok=True)
-        stamp.write_text(digest.hexdigest())
+        stamp.write_text(stamp_text)
     except OSError:
-        pass  # read-only install: numba then cannot cache here either
+        pass  # read-only: numba then cannot cache here either
 
 
 drop_stale_kernel_cache()
