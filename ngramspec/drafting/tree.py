@@ -232,8 +232,7 @@ class DraftBatch(Sequence):
         """Row i as a new DraftTree (alone: no other row is converted)."""
         w, row = self.width, self.ints[i].tolist()
         n = row[3 * w]
-        return trusted_tree(row[:n], row[w:w + n], self.probs[i, :n].tolist(),
-                            row[2 * w:2 * w + n])
+        return _row_tree(row, self.probs[i, :n].tolist(), n, w)
 
     def prefixes(self, sizes: list[int]) -> list[DraftTree]:
         """New DraftTrees, tree i's first `sizes[i]` nodes (1 = its root alone). Rows that keep a
@@ -248,8 +247,7 @@ class DraftBatch(Sequence):
         out = []
         for i, k in enumerate(sizes):
             if k > 1:
-                row, p = next(ints), next(probs)
-                out.append(trusted_tree(row[:k], row[w:w + k], p[:k], row[2 * w:2 * w + k]))
+                out.append(_row_tree(next(ints), next(probs), k, w))
             else:
                 out.append(DraftTree.root_only(roots[i]))
         return out
@@ -263,6 +261,13 @@ class DraftBatch(Sequence):
         self.sources[i, :n] = tree.sources[:n]
         self.sizes[i] = n
         self._trees = None
+
+
+def _row_tree(ints: list[int], probs: list[float], n: int, width: int) -> DraftTree:
+    """The first n nodes of one DraftBatch row (`ints`: tokens, parents, sources, `width`
+    each; `probs`: path probabilities) as a DraftTree."""
+    return trusted_tree(ints[:n], ints[width:width + n], probs[:n],
+                        ints[2 * width:2 * width + n])
 
 
 def ancestor_mask(parents: list[int]) -> list[list[bool]]:
