@@ -54,6 +54,29 @@ def test_anchors_match_brute_force(index_cls, refs, stream, max_match, k):
 
 
 @backends
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), max_size=10), max_size=2), tokens_strategy,
+       st.integers(1, 6), st.integers(1, 5), st.data())
+def test_anchors_at_an_earlier_position_match_brute_force(index_cls, refs, stream, max_match,
+                                                          k, data):
+    """A wildcard match looks up the suffix ending before the last tokens: the same anchors as
+    if the index ended there (numba walks `prev` chains, the reference scans)."""
+    index = build(index_cls, refs, stream, max_match, k)
+    tokens = list(index.tokens)
+    end = data.draw(st.integers(-1, len(tokens) - 1))
+    expected, last = [], 0
+    for m in range(min(max_match, end + 1), 0, -1):
+        occ = brute_occurrences(tokens[:end + 1], m)
+        if len(occ) > last:
+            expected.append((m, occ[-k:]))
+            last = len(occ)
+            if last >= k:
+                break
+    assert index.anchors_at(end, max_anchors=100) == expected
+    assert index.anchors_at(len(tokens) - 1, 3) == index.anchors(3)
+
+
+@backends
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 3), max_size=10), max_size=2), tokens_strategy)
 def test_continuation_walk_groups_by_token_and_stops_at_separators(index_cls, refs, stream):

@@ -154,6 +154,8 @@ configs = st.fixed_dictionaries({
     "insert_prompt": st.booleans(),
     "request_gain_prior": st.sampled_from([0.0, 1.0, 4.0]),
     "request_gain_decay": st.sampled_from([0.5, 1.0]),
+    "max_wildcards": st.integers(0, 2),
+    "trie_fallback": st.booleans(),
 })
 
 

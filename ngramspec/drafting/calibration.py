@@ -11,7 +11,11 @@ The class is the source and whether the matched suffix had one earlier occurrenc
 "unique" match: raw = 1/2 whatever the evidence). Replays of data/streams
 (`ngramspec simulate`) put the gain of that split at +1% mean accepted overall and +3% on code
 edits: one earlier occurrence of a long match is copied far more reliably than a 1-in-2 split of
-several occurrences, which the raw estimate cannot tell apart.
+several occurrences, which the raw estimate cannot tell apart. Wildcard matches and the trie
+fallback (drafting/config.py `max_wildcards`, `trie_fallback`), and all that descends from them,
+have classes of their own ("context/skip", "trie/skip", ...): what follows a match that skips
+the request's new last token is a weaker copy than what follows a match that ends at it, and
+the fallback's matches have length 0, a bucket of their own.
 
 The request's own recent acceptance then scales the estimate, per source: each request keeps a
 gain per source = (accepted + g) / (predicted + g) over the nodes that source won and the
@@ -36,9 +40,11 @@ BUCKET_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 NUM_BUCKETS = len(BUCKET_EDGES) + 1
 # A conditional estimate never reaches 1: path probabilities must strictly reflect risk.
 MAX_CONDITIONAL = 0.98
-# Evidence class = 2 * source + unique (the matched suffix had at most one earlier occurrence);
-# kernels/build.py `_class` computes it.
-NUM_CLASSES = 2 * NUM_SOURCES
+# Evidence class = 2 * source + unique (the matched suffix had at most one earlier occurrence),
+# plus SKIP_CLASSES for a wildcard match or the trie fallback; kernels/build.py `_class`
+# computes it.
+SKIP_CLASSES = 2 * NUM_SOURCES
+NUM_CLASSES = 2 * SKIP_CLASSES
 # Columns of SourceCalibrator.settings, the scalars the kernels read: the factors' prior (mass,
 # weight), the request gain's prior weight (0: no gain) and per-step decay.
 PRIOR_MASS, PRIOR_WEIGHT, GAIN_PRIOR, GAIN_DECAY = range(4)
@@ -49,7 +55,9 @@ GAIN_FLOATS = 2 * NUM_SOURCES
 
 
 def class_name(cls: int) -> str:
-    name = SOURCE_NAMES[cls // 2]
+    name = SOURCE_NAMES[cls % SKIP_CLASSES // 2]
+    if cls >= SKIP_CLASSES:
+        name += "/skip"
     return f"{name}/unique" if cls % 2 else name
 
 

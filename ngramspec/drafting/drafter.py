@@ -343,7 +343,8 @@ class NgramDrafter:
         params = np.array([cfg.max_bfs_breadth, cfg.max_anchors_per_source,
                            cfg.max_context_occurrences, scratch.cursors, scratch.pool,
                            scratch.groups, nodes, evidence, cfg.max_context_match,
-                           int(cfg.calibrate), cfg.max_sam_match], np.int64)
+                           int(cfg.calibrate), cfg.max_sam_match, cfg.max_wildcards,
+                           int(cfg.trie_fallback)], np.int64)
         return _Layout(bank, _key(sams), list(sams.values()), scratch, ints, floats, params)
 
     def _lay_out(self, req: _Request, layout: _Layout, trie_start: int) -> None:

@@ -85,6 +85,30 @@ class ReferenceContextIndex:
                     break
         return out
 
+    def anchors_at(self, end: int, max_anchors: int) -> list[tuple[int, list[int]]]:
+        """`anchors` of the suffix ending at position `end` instead of at the last token, by
+        brute force: each earlier position's longest common suffix with it."""
+        tokens = self.tokens
+        if end < 0:
+            return []
+        longest = []
+        for j in range(end):
+            m = 0
+            while (m < self.max_match and m <= j and tokens[j - m] == tokens[end - m]
+                   and tokens[j - m] != SEPARATOR):
+                m += 1
+            longest.append(m)
+        out: list[tuple[int, list[int]]] = []
+        last_count = 0
+        for m in range(self.max_match, 0, -1):
+            ends = [j for j in range(end) if longest[j] >= m]
+            if len(ends) > last_count:
+                out.append((m, ends[-self.max_occurrences:]))
+                last_count = len(ends)
+                if len(out) == max_anchors or last_count >= self.max_occurrences:
+                    break
+        return out
+
     def continuations(self, ends: list[int], offset: int) -> dict[int, list[int]]:
         """Group occurrences by the token `offset + 1` after their end: token -> end positions."""
         tokens = self.tokens

@@ -21,17 +21,19 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+from ngramspec.drafting.calibration import SKIP_CLASSES
 from ngramspec.drafting.config import CorpusSnapshot, DrafterConfig
 from ngramspec.drafting.index.sam import SuffixAutomaton
 from ngramspec.drafting.sources import CONTEXT, CORPUS, NUM_SOURCES, SOURCE_NAMES, TRIE
 from ngramspec.drafting.tree import DraftTree
 from oracles.calibration import ReferenceCalibrator
 from oracles.context import ReferenceContextIndex
-from oracles.trie import ReferenceTrie, ReferenceTrieState
+from oracles.trie import ROOT, ReferenceTrie, ReferenceTrieState
 
-# A cursor: (source, handle, matched length). Handles: CONTEXT -> (index, end positions, offset),
-# TRIE -> node id, CORPUS -> (automaton, state).
-Cursor = tuple[int, object, int]
+# A cursor: (source, handle, matched length, wildcard: a wildcard match or a fallback, and all
+# that descends from one). Handles: CONTEXT -> (index, end positions, offset), TRIE -> node id,
+# CORPUS -> (automaton, state).
+Cursor = tuple[int, object, int, bool]
 # One drafted node's evidence for calibration: (evidence class, matched length, raw estimate).
 Evidence = tuple[int, int, float]
 
@@ -170,29 +172,30 @@ class ReferenceDrafter:
         # token -> [estimate, source, child cursors, evidence, estimate before the gain]
         merged: dict[int, list] = {}
         estimate = self.calibrator.estimate
-        for source, handle, length in cursors:
+        for source, handle, length, wild in cursors:
             if source == CORPUS and node_source not in (-1, CORPUS):
                 continue
-            for token, child, count, total in self._continuations(source, handle, limit):
+            for token, child, count, total in self._continuations(source, handle, limit, wild):
                 raw = count / (total + 1)
-                cls = 2 * source + (total <= 1)  # the evidence class (calibration.py)
+                # The evidence class (calibration.py)
+                cls = 2 * source + (total <= 1) + (SKIP_CLASSES if wild else 0)
                 est, base = estimate(cls, length, raw, gain[source])
                 entry = merged.get(token)
                 if entry is None:
-                    merged[token] = [est, source, [(source, child, length + 1)],
+                    merged[token] = [est, source, [(source, child, length + 1, wild)],
                                      [(cls, length, raw)], base]
                     continue
                 if est > entry[0]:
                     entry[0], entry[1], entry[4] = est, source, base
-                entry[2].append((source, child, length + 1))
+                entry[2].append((source, child, length + 1, wild))
                 entry[3].append((cls, length, raw))
         for token, (est, source, kids, proof, base) in merged.items():
             heapq.heappush(heap, (-prob * est, seq, slot, token, source, kids, proof, base))
             seq += 1
         return seq
 
-    def _continuations(self, source: int, handle,
-                       limit: int) -> list[tuple[int, object, int, int]]:
+    def _continuations(self, source: int, handle, limit: int,
+                       wild: bool) -> list[tuple[int, object, int, int]]:
         """(token, child handle, count, total occurrences) of one cursor, best `limit` first."""
         if source == CONTEXT:
             context, ends, offset = handle
@@ -201,7 +204,10 @@ class ReferenceDrafter:
             ranked = sorted(groups.items(), key=lambda kv: -len(kv[1]))[:limit]
             return [(t, (context, g, offset + 1), len(g), len(ends)) for t, g in ranked]
         if source == TRIE:
-            total = self.trie.count(handle)
+            if handle == ROOT:  # the trie fallback: all it offers are its first `breadth`
+                total = sum(n for _, _, n in self.trie.children(ROOT, self.config.max_bfs_breadth))
+            else:
+                total = self.trie.count(handle)
             return [(t, c, n, total) for t, c, n in self.trie.children(handle, limit)]
         sam, state = handle
         total = sam.occ(state)
@@ -210,20 +216,36 @@ class ReferenceDrafter:
     def _root_cursors(self, req: _Request, sams: dict[str, SuffixAutomaton]) -> list[Cursor]:
         k = self.config.max_anchors_per_source
         cursors: list[Cursor] = [
-            (CONTEXT, (req.context, ends, 0), m) for m, ends in req.context.anchors(k)
+            (CONTEXT, (req.context, ends, 0), m, False) for m, ends in req.context.anchors(k)
         ]
+        new_token = not cursors  # no earlier occurrence of the last token in the request
+        if new_token:
+            cursors = self._context_wildcards(req, k)
         last_count, num_trie = -1, 0
         for node, length in self._trie_anchors(req):
             count = self.trie.count(node)
             if count != last_count and num_trie < k:
                 # A shorter suffix with an equal count has the same occurrences: skip it.
-                cursors.append((TRIE, node, length))
+                cursors.append((TRIE, node, length, False))
                 last_count, num_trie = count, num_trie + 1
+        if new_token and self.config.trie_fallback and self.trie.has_children(ROOT):
+            # The most frequent tokens, then their bigrams, as a match of length 0 (config.py).
+            cursors.append((TRIE, ROOT, 0, True))
         for name, sam in sams.items():
             match = self._sam_match(req, name, sam)
             for state, length in sam.anchors(match.state, match.length)[:k]:
-                cursors.append((CORPUS, (sam, state), length))
+                cursors.append((CORPUS, (sam, state), length, False))
         return cursors
+
+    def _context_wildcards(self, req: _Request, k: int) -> list[Cursor]:
+        """The request's own earlier matches of the tokens before its last w (1, then 2, ...)
+        tokens, whose continuation is read w tokens further on (config.max_wildcards)."""
+        context = req.context
+        for w in range(1, self.config.max_wildcards + 1):
+            found = context.anchors_at(len(context) - 1 - w, k)
+            if found:
+                return [(CONTEXT, (context, ends, w), m + w, True) for m, ends in found]
+        return []
 
     def _trie_anchors(self, req: _Request) -> list[tuple[int, int]]:
         return self.trie.anchors(req.trie_state, req.tokens)

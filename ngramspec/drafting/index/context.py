@@ -95,6 +95,17 @@ class ContextIndex:
         return [(int(lens[i]), pool[starts[i]: starts[i] + nums[i]].tolist())
                 for i in range(found)]
 
+    def anchors_at(self, end: int, max_anchors: int) -> list[tuple[int, list[int]]]:
+        """`anchors` of the suffix ending at position `end` (a wildcard match's), as the
+        reference's; used by the tests."""
+        k = max(1, max_anchors)
+        lens, starts, nums = (np.zeros(k, np.int64) for _ in range(3))
+        pool = np.zeros(k * self.max_occurrences, np.int64)
+        found, _ = cx.anchors_at(self.tokens, self.prev, end, self.max_match, max_anchors,
+                                 self.max_occurrences, lens, starts, nums, pool, 0)
+        return [(int(lens[i]), pool[starts[i]: starts[i] + nums[i]].tolist())
+                for i in range(found)]
+
     def continuations(self, ends: list[int], offset: int) -> dict[int, list[int]]:
         """Same result as the reference (tests/oracles/context.py); used by the lockstep tests."""
         tokens = self.tokens

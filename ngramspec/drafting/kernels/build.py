@@ -10,7 +10,8 @@ length, raw estimate) for calibration. Cursors and candidates live in preallocat
   cursor columns: SRC, A (trie node | pool start | automaton state's first edge),
                   B (pool length | the state's occurrences), OFF (context offset | the
                   state's edge end), LEN (matched length), NEXT (next cursor of the same
-                  candidate), CLS (the evidence class that proposed it: calibration.py)
+                  candidate), CLS (the evidence class that proposed it: calibration.py), WILD
+                  (1: a wildcard match or a fallback, and all that descends from it)
   candidate columns: SLOT (parent node), TOK, SRC, HEAD, TAIL (its cursor list)
 Context cursors keep their end positions as segments of `pool`. kernels/step.py calls `build` for
 every request of a batch.
@@ -28,6 +29,7 @@ from ngramspec.drafting.calibration import (
     GAIN_PREDICTED,
     GAIN_PRIOR,
     MAX_CONDITIONAL,
+    SKIP_CLASSES,
 )
 from ngramspec.drafting.index.sam import SEPARATOR
 from ngramspec.drafting.kernels import context as cx
@@ -36,15 +38,16 @@ from ngramspec.drafting.kernels import sam as sk
 from ngramspec.drafting.kernels import trie as tk
 from ngramspec.drafting.sources import CONTEXT, CORPUS, TRIE
 
-C_SRC, C_A, C_B, C_OFF, C_LEN, C_NEXT, C_CLS = range(7)
-CURSOR_COLUMNS = 7
+C_SRC, C_A, C_B, C_OFF, C_LEN, C_NEXT, C_CLS, C_WILD = range(8)
+CURSOR_COLUMNS = 8
 K_SLOT, K_TOK, K_SRC, K_HEAD, K_TAIL = range(5)
 # params (read-only in a build, so builds may run in parallel): top-k children per cursor,
 # anchors per source, occurrences per context match, then the config's fixed sizes (scratch
 # cursors, pool, group columns; tree nodes and evidence slots of a request), the context's
-# longest match, whether to calibrate and the corpora's longest match.
+# longest match, whether to calibrate, the corpora's longest match, the most wildcards and
+# whether to fall back on the trie's root (config.py: max_wildcards, trie_fallback).
 (P_LIMIT, P_ANCHORS, P_OCC, P_CURSORS, P_POOL, P_GROUPS, P_NODES, P_EVIDENCE, P_MAX_MATCH,
- P_CALIBRATE, P_SAM_MATCH) = range(11)
+ P_CALIBRATE, P_SAM_MATCH, P_WILDCARDS, P_TRIE_FALLBACK) = range(13)
 # counts (int64): next cursor, next candidate, heap size, pool used
 N_CUR, N_CAND, N_HEAP, N_POOL = range(4)
 # A request's int buffer starts with: where its tokens begin in its context array, the number of
@@ -89,8 +92,9 @@ def padded(columns: int) -> int:
 
 
 def root_cursors(anchors: int, num_corpora: int) -> int:
-    """An upper bound on a tree's root cursors: `anchors` per source and per corpus."""
-    return (2 + num_corpora) * anchors + 1
+    """An upper bound on a tree's root cursors: `anchors` per source and per corpus, and the
+    trie fallback."""
+    return (2 + num_corpora) * anchors + 2
 
 
 def tree_sizes(budget: int, anchors: int, num_corpora: int) -> tuple[int, int]:
@@ -181,9 +185,10 @@ def request_gains(gain: np.ndarray, settings: np.ndarray) -> tuple:
 
 
 @njit(cache=True, inline="always")
-def _class(src: int, occurrences: int) -> int:
-    """The evidence class (calibration.py): 2 * source + (one earlier occurrence only)."""
-    return 2 * src + (1 if occurrences <= 1 else 0)
+def _class(src: int, occurrences: int, wild: int) -> int:
+    """The evidence class (calibration.py): 2 * source + (one earlier occurrence only), then
+    SKIP_CLASSES further for a wildcard match or a fallback."""
+    return 2 * src + (1 if occurrences <= 1 else 0) + (SKIP_CLASSES if wild else 0)
 
 
 @njit(cache=True, inline="always")
@@ -229,11 +234,12 @@ def _heap_pop(heap: np.ndarray, counts: np.ndarray, cand_f: np.ndarray) -> int:
 
 @njit(cache=True, inline="always")
 def _new_cursor(cur: np.ndarray, counts: np.ndarray, src: int, a: int, b: int, off: int,
-                length: int, cls: int) -> int:
+                length: int, cls: int, wild: int) -> int:
     c = counts[N_CUR]
     counts[N_CUR] = c + 1
     cur[C_SRC, c], cur[C_A, c], cur[C_B, c] = src, a, b
     cur[C_OFF, c], cur[C_LEN, c], cur[C_NEXT, c], cur[C_CLS, c] = off, length, -1, cls
+    cur[C_WILD, c] = wild
     return c
 
 
@@ -321,17 +327,17 @@ def _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cu
     first_cand = counts[N_CAND]
     c = head
     while c != -1:
-        src, length = s_cur[C_SRC, c], s_cur[C_LEN, c]
+        src, length, wild = s_cur[C_SRC, c], s_cur[C_LEN, c], s_cur[C_WILD, c]
         if src == TRIE:
             node = s_cur[C_A, c]
-            total = cols[node, tk.CNT]
+            total = cols[node, tk.CNT] if node != tk.ROOT else _root_total(cols, params)
             child = cols[node, tk.FIRST]
             taken = 0
             while child != -1 and taken < limit:
                 raw = cols[child, tk.CNT] / (total + 1)
-                cls = _class(src, total)
+                cls = _class(src, total, wild)
                 est, base = _estimate(factor, calibrate, cls, length, raw, gain[src])
-                kid = _new_cursor(s_cur, counts, src, child, 0, 0, length + 1, cls)
+                kid = _new_cursor(s_cur, counts, src, child, 0, 0, length + 1, cls, wild)
                 if cols[child, tk.FIRST] >= 0:  # what expanding it reads first
                     ht.prefetch(cols, cols[child, tk.FIRST])
                 _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot,
@@ -345,10 +351,10 @@ def _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cu
             for e in range(lo, min(hi, lo + corpus_limit)):
                 occ = edges[e, sk.E_OCC]
                 raw = occ / (total + 1)
-                cls = _class(src, total)
+                cls = _class(src, total, 0)
                 est, base = _estimate(factor, calibrate, cls, length, raw, gain[src])
                 kid = _new_cursor(s_cur, counts, src, edges[e, sk.E_LO], occ,
-                                  edges[e, sk.E_HI], length + 1, cls)
+                                  edges[e, sk.E_HI], length + 1, cls, 0)
                 ht.prefetch(edges, edges[e, sk.E_LO])  # what expanding it reads
                 _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot,
                        edges[e, sk.E_TOKEN], src, est, base, kid, raw)
@@ -362,9 +368,9 @@ def _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cu
                 at = counts[N_POOL]
                 counts[N_POOL] += size
                 raw = size / (num + 1)
-                cls = _class(src, num)
+                cls = _class(src, num, wild)
                 est, base = _estimate(factor, calibrate, cls, length, raw, gain[src])
-                kid = _new_cursor(s_cur, counts, src, at, size, off + 1, length + 1, cls)
+                kid = _new_cursor(s_cur, counts, src, at, size, off + 1, length + 1, cls, wild)
                 _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot, t, src, est,
                        base, kid, raw)
         c = s_cur[C_NEXT, c]
@@ -383,19 +389,41 @@ def _link(s_cur, head, tail, c) -> tuple:
 
 
 @njit(cache=True, inline="always")
+def _root_total(cols, params) -> int:
+    """The trie root's occurrences for the trie fallback: the counts of its first `breadth`
+    children (the most frequent tokens), which are all it ever offers."""
+    total, child, taken = 0, cols[tk.ROOT, tk.FIRST], 0
+    while child != -1 and taken < params[P_LIMIT]:
+        total += cols[child, tk.CNT]
+        child = cols[child, tk.NEXT]
+        taken += 1
+    return total
+
+
+@njit(cache=True, inline="always")
 def _root_cursors(cols, edges, tmeta, tstate, trie_start, tok, prev, cst, params, bank, s_cur,
                   pool, counts, work) -> int:
     """Context anchors, then distinct-count trie anchors, then each corpus's anchors."""
     k_max = params[P_ANCHORS]
     m, starts, nums = work[:k_max], work[k_max:2 * k_max], work[2 * k_max:3 * k_max]
+    n = cst[cx.NUM]
     found, used = cx.anchors(prev, cst, params[P_MAX_MATCH], k_max, params[P_OCC], m, starts,
                              nums, pool, 0)
+    new_token = found == 0  # no earlier occurrence of the last token in the request's text
+    wild = 0
+    for w in range(1, params[P_WILDCARDS] + 1):
+        if found:
+            break
+        found, used = cx.anchors_at(tok, prev, n - 1 - w, params[P_MAX_MATCH], k_max,
+                                    params[P_OCC], m, starts, nums, pool, 0)
+        wild = w
     counts[N_POOL] = used
     head, tail = -1, -1
     for i in range(found):
-        c = _new_cursor(s_cur, counts, CONTEXT, starts[i], nums[i], 0, m[i], -1)
+        # A wildcard match's continuation is `wild` tokens past its ends.
+        c = _new_cursor(s_cur, counts, CONTEXT, starts[i], nums[i], wild, m[i] + wild, -1,
+                        1 if wild else 0)
         head, tail = _link(s_cur, head, tail, c)
-    n = cst[cx.NUM]
     tk.refresh(cols, edges, tmeta, tstate, tok[trie_start:], n - trie_start)
     last_count, num_trie = -1, 0
     for k in range(tstate[0] - 1, -1, -1):
@@ -405,9 +433,14 @@ def _root_cursors(cols, edges, tmeta, tstate, trie_start, tok, prev, cst, params
         count = cols[node, tk.CNT]
         if count != last_count and num_trie < k_max:
             # A shorter suffix with an equal count has the same occurrences: skip it.
-            c = _new_cursor(s_cur, counts, TRIE, node, 0, 0, k + 1, -1)
+            c = _new_cursor(s_cur, counts, TRIE, node, 0, 0, k + 1, -1, 0)
             head, tail = _link(s_cur, head, tail, c)
             last_count, num_trie = count, num_trie + 1
+    if new_token and params[P_TRIE_FALLBACK] and cols[tk.ROOT, tk.FIRST] != -1:
+        # The most frequent tokens, then their bigrams, as a match of length 0: after a new
+        # word the next token is often a common one (`.`, `,`, ` the`, a newline).
+        c = _new_cursor(s_cur, counts, TRIE, tk.ROOT, 0, 0, 0, -1, 1)
+        head, tail = _link(s_cur, head, tail, c)
     # The matches were fed this step's tokens before the builds (step.py `_catch_up_batch`).
     states, roots, match = bank[0], bank[3], bank[4]
     if roots.shape[0] == 0:
@@ -419,7 +452,7 @@ def _root_cursors(cols, edges, tmeta, tstate, trie_start, tok, prev, cst, params
             lo, hi = states[state, sk.S_EDGE], states[state + 1, sk.S_EDGE]
             if hi > lo:
                 c = _new_cursor(s_cur, counts, CORPUS, lo, states[state, sk.S_OCC], hi,
-                                min(length, states[state, sk.S_LEN]), -1)
+                                min(length, states[state, sk.S_LEN]), -1, 0)
                 head, tail = _link(s_cur, head, tail, c)
                 taken += 1
             state = states[state, sk.S_LINK]

@@ -92,6 +92,40 @@ def rehash(table: np.ndarray, new_table: np.ndarray) -> None:
 
 
 @njit(cache=True, inline="always")
+def anchors_at(tok: np.ndarray, prev: np.ndarray, end: int, max_match: int, max_anchors: int,
+               max_occurrences: int, out_len: np.ndarray, out_start: np.ndarray,
+               out_num: np.ndarray, pool: np.ndarray, pool_used: int) -> tuple:
+    """`anchors` of the suffix ending at position `end` instead of the newest token
+    (ReferenceContextIndex.anchors_at): no counts are kept for it, so each window's earlier
+    ends are counted along its `prev` chain, `max_occurrences` at most."""
+    k, last = 0, 0
+    if end < 0:
+        return k, pool_used
+    windows = 0  # the windows ending at `end`: none spans a separator
+    while windows < max_match and windows <= end and tok[end - windows] != SEPARATOR:
+        windows += 1
+    for m in range(windows, 0, -1):
+        num = 0
+        q = prev[end * max_match + m - 1]
+        while q >= 0 and num < max_occurrences:  # newest first
+            pool[pool_used + num] = q
+            num += 1
+            q = prev[q * max_match + m - 1]
+        if num <= last:
+            continue
+        for i in range(num // 2):  # oldest first
+            a, b = pool_used + i, pool_used + num - 1 - i
+            pool[a], pool[b] = pool[b], pool[a]
+        out_len[k], out_start[k], out_num[k] = m, pool_used, num
+        pool_used += num
+        k += 1
+        last = num
+        if k == max_anchors or num >= max_occurrences:
+            break
+    return k, pool_used
+
+
+@njit(cache=True, inline="always")
 def anchors(prev: np.ndarray, st: np.ndarray, max_match: int, max_anchors: int,
             max_occurrences: int, out_len: np.ndarray, out_start: np.ndarray,
             out_num: np.ndarray, pool: np.ndarray, pool_used: int) -> tuple:
