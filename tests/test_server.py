@@ -151,8 +151,9 @@ def test_completion_matches_llm_generate(client: openai.OpenAI, llm: LLM) -> Non
     assert resp.usage.prompt_tokens == len(llm.encode(prompt))
     assert resp.usage.completion_tokens == 8 and resp.choices[0].finish_reason == "length"
     spec = resp.model_extra["speculation"]
-    assert spec["verify_steps"] == 7  # the first token comes from prefill
-    assert spec["mean_acceptance_length"] >= 1.0
+    # The first token comes from prefill, the other 7 from verify steps of one or more each.
+    assert 1 <= spec["verify_steps"] <= 7
+    assert spec["verify_steps"] * spec["mean_acceptance_length"] >= 7 - 1e-9
     stream = client.completions.create(model=MODEL, prompt=prompt, stream=True,
                                        stream_options={"include_usage": True}, **GREEDY)
     chunks = list(stream)

@@ -208,6 +208,8 @@ class ReferenceDrafter:
                 total = sum(n for _, _, n in self.trie.children(ROOT, self.config.max_bfs_breadth))
             else:
                 total = self.trie.count(handle)
+                if wild:  # under the fallback's first token: its most frequent follower only
+                    limit = min(limit, 1)
             return [(t, c, n, total) for t, c, n in self.trie.children(handle, limit)]
         sam, state = handle
         total = sam.occ(state)
