@@ -87,24 +87,24 @@ class ContextIndex:
 
     def anchors(self, max_anchors: int) -> list[tuple[int, list[int]]]:
         """Same result as the reference (tests/oracles/context.py)."""
-        k = max(1, max_anchors)
-        lens, starts, nums = (np.zeros(k, np.int64) for _ in range(3))
-        pool = np.zeros(k * self.max_occurrences, np.int64)
+        out = self._anchor_arrays(max_anchors)
         found, _ = cx.anchors(self.prev, self.st, self.max_match, max_anchors,
-                           self.max_occurrences, lens, starts, nums, pool, 0)
-        return [(int(lens[i]), pool[starts[i]: starts[i] + nums[i]].tolist())
-                for i in range(found)]
+                              self.max_occurrences, *out, 0)
+        return _segments(found, *out)
 
     def anchors_at(self, end: int, max_anchors: int) -> list[tuple[int, list[int]]]:
         """`anchors` of the suffix ending at position `end` (a wildcard match's), as the
         reference's; used by the tests."""
-        k = max(1, max_anchors)
-        lens, starts, nums = (np.zeros(k, np.int64) for _ in range(3))
-        pool = np.zeros(k * self.max_occurrences, np.int64)
+        out = self._anchor_arrays(max_anchors)
         found, _ = cx.anchors_at(self.tokens, self.prev, end, self.max_match, max_anchors,
-                                 self.max_occurrences, lens, starts, nums, pool, 0)
-        return [(int(lens[i]), pool[starts[i]: starts[i] + nums[i]].tolist())
-                for i in range(found)]
+                                 self.max_occurrences, *out, 0)
+        return _segments(found, *out)
+
+    def _anchor_arrays(self, max_anchors: int) -> tuple[np.ndarray, ...]:
+        """The kernels' outputs: lengths, pool starts, counts [max_anchors] and the pool."""
+        k = max(1, max_anchors)
+        return (np.zeros(k, np.int64), np.zeros(k, np.int64), np.zeros(k, np.int64),
+                np.zeros(k * self.max_occurrences, np.int64))
 
     def continuations(self, ends: list[int], offset: int) -> dict[int, list[int]]:
         """Same result as the reference (tests/oracles/context.py); used by the lockstep tests."""
@@ -124,3 +124,9 @@ def _grown(a: np.ndarray, size: int) -> np.ndarray:
     out = np.zeros(size, a.dtype)
     out[: len(a)] = a
     return out
+
+
+def _segments(found: int, lens: np.ndarray, starts: np.ndarray, nums: np.ndarray,
+              pool: np.ndarray) -> list[tuple[int, list[int]]]:
+    """The kernels' anchors as (length, earlier ends oldest first)."""
+    return [(int(lens[i]), pool[starts[i]: starts[i] + nums[i]].tolist()) for i in range(found)]

@@ -333,9 +333,10 @@ def _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cu
             total = cols[node, tk.CNT] if node != tk.ROOT else _root_total(cols, params)
             # Under the trie fallback's first token, its most frequent follower only: replays of
             # data/streams accept the same as with all `breadth` (2.651), 2 or 3 a little less.
-            taken = 0 if not wild or node == tk.ROOT else limit - 1
+            breadth = limit if not wild or node == tk.ROOT else 1
             child = cols[node, tk.FIRST]
-            while child != -1 and taken < limit:
+            taken = 0
+            while child != -1 and taken < breadth:
                 raw = cols[child, tk.CNT] / (total + 1)
                 cls = _class(src, total, wild)
                 est, base = _estimate(factor, calibrate, cls, length, raw, gain[src])

@@ -92,6 +92,20 @@ def rehash(table: np.ndarray, new_table: np.ndarray) -> None:
 
 
 @njit(cache=True, inline="always")
+def _anchor(prev: np.ndarray, end: int, m: int, max_match: int, num: int, out_len: np.ndarray,
+            out_start: np.ndarray, out_num: np.ndarray, pool: np.ndarray, k: int,
+            pool_used: int) -> int:
+    """Anchor k: the `num` latest earlier ends of the m-window ending at `end`, oldest first, as
+    the pool segment at pool_used (walked along `prev`); returns the pool entries used after."""
+    q = prev[end * max_match + m - 1]
+    for i in range(num - 1, -1, -1):
+        pool[pool_used + i] = q
+        q = prev[q * max_match + m - 1]
+    out_len[k], out_start[k], out_num[k] = m, pool_used, num
+    return pool_used + num
+
+
+@njit(cache=True, inline="always")
 def anchors_at(tok: np.ndarray, prev: np.ndarray, end: int, max_match: int, max_anchors: int,
                max_occurrences: int, out_len: np.ndarray, out_start: np.ndarray,
                out_num: np.ndarray, pool: np.ndarray, pool_used: int) -> tuple:
@@ -105,21 +119,15 @@ def anchors_at(tok: np.ndarray, prev: np.ndarray, end: int, max_match: int, max_
     while windows < max_match and windows <= end and tok[end - windows] != SEPARATOR:
         windows += 1
     for m in range(windows, 0, -1):
-        num = 0
-        q = prev[end * max_match + m - 1]
-        while q >= 0 and num < max_occurrences:  # newest first
-            pool[pool_used + num] = q
+        num, q = 0, prev[end * max_match + m - 1]
+        while q >= 0 and num < max_occurrences:
             num += 1
             q = prev[q * max_match + m - 1]
         if num <= last:
             continue
-        for i in range(num // 2):  # oldest first
-            a, b = pool_used + i, pool_used + num - 1 - i
-            pool[a], pool[b] = pool[b], pool[a]
-        out_len[k], out_start[k], out_num[k] = m, pool_used, num
-        pool_used += num
-        k += 1
-        last = num
+        pool_used = _anchor(prev, end, m, max_match, num, out_len, out_start, out_num, pool, k,
+                            pool_used)
+        k, last = k + 1, num
         if k == max_anchors or num >= max_occurrences:
             break
     return k, pool_used
@@ -139,15 +147,9 @@ def anchors(prev: np.ndarray, st: np.ndarray, max_match: int, max_anchors: int,
         count = st[SUFFIX_COUNTS + m - 1] - 1  # the last occurrence is the suffix itself
         if count <= last:
             continue
-        kept = min(count, max_occurrences)
-        q = prev[newest * max_match + m - 1]
-        for i in range(kept - 1, -1, -1):  # oldest first
-            pool[pool_used + i] = q
-            q = prev[q * max_match + m - 1]
-        out_len[k], out_start[k], out_num[k] = m, pool_used, kept
-        pool_used += kept
-        k += 1
-        last = count
+        pool_used = _anchor(prev, newest, m, max_match, min(count, max_occurrences), out_len,
+                            out_start, out_num, pool, k, pool_used)
+        k, last = k + 1, count
         if k == max_anchors or count >= max_occurrences:
             break
     return k, pool_used
