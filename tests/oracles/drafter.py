@@ -165,10 +165,14 @@ class ReferenceDrafter:
         gain: dict[int, float], node_source: int,
     ) -> int:
         """Merge every cursor's continuations by token and push one candidate per token. A
-        cursor offers at most `room` (the nodes the tree can still take) continuations; its
-        estimates carry the request's gain for its source. Corpus cursors continue only under
-        the root (node_source -1) and under nodes the corpus won."""
+        cursor offers at most `room` (the nodes the tree can still take) continuations, and
+        stops at the first whose path probability does not beat the room-th best candidate in
+        the heap (it is pushed later, so it loses a tie); its estimates carry the request's gain
+        for its source. Corpus cursors continue only under the root (node_source -1) and under
+        nodes the corpus won."""
         limit = min(self.config.max_bfs_breadth, room)
+        best = heapq.nsmallest(room, heap)
+        threshold = -best[-1][0] if len(best) == room else -1.0
         # token -> [estimate, source, child cursors, evidence, estimate before the gain]
         merged: dict[int, list] = {}
         estimate = self.calibrator.estimate
@@ -180,6 +184,8 @@ class ReferenceDrafter:
                 # The evidence class (calibration.py)
                 cls = 2 * source + (total <= 1) + (SKIP_CLASSES if wild else 0)
                 est, base = estimate(cls, length, raw, gain[source])
+                if prob * est <= threshold:
+                    break  # its later continuations rank lower still
                 entry = merged.get(token)
                 if entry is None:
                     merged[token] = [est, source, [(source, child, length + 1, wild)],
