@@ -159,11 +159,16 @@ def bucket(length: int) -> int:
 
 
 @njit(cache=True, inline="always")
-def _estimate(factor: np.ndarray, calibrate: bool, cls: int, length: int, raw: float,
-              gain: float) -> tuple:
+def _factor(factor: np.ndarray, calibrate: bool, cls: int, length: int) -> float:
+    """The calibration factor of a cursor's continuations (one class and matched length)."""
+    return factor[cls, bucket(length)] if calibrate else 1.0
+
+
+@njit(cache=True, inline="always")
+def _estimate(f: float, raw: float, gain: float) -> tuple:
     """(estimate, the estimate before the request gain): what ranks the node, and what its
     gain learns against (a capped estimate divided by the gain would not be it)."""
-    p = raw * factor[cls, bucket(length)] if calibrate else raw
+    p = raw * f
     return min(MAX_CONDITIONAL, p * gain), min(MAX_CONDITIONAL, p)
 
 
@@ -342,12 +347,13 @@ def _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cu
             # Under the trie fallback's first token, its most frequent follower only: replays of
             # data/streams accept the same as with all `breadth` (2.651), 2 or 3 a little less.
             breadth = limit if not wild or node == tk.ROOT else 1
+            cls = _class(src, total, wild)
+            f, src_gain = _factor(factor, calibrate, cls, length), gain[src]
             child = cols[node, tk.FIRST]
             taken = 0
             while child != -1 and taken < breadth:
                 raw = cols[child, tk.CNT] / (total + 1)
-                cls = _class(src, total, wild)
-                est, base = _estimate(factor, calibrate, cls, length, raw, gain[src])
+                est, base = _estimate(f, raw, src_gain)
                 if prob * est <= threshold:
                     break
                 kid = _new_cursor(s_cur, counts, src, child, 0, 0, length + 1, cls, wild)
@@ -361,11 +367,12 @@ def _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cu
             edges = bank[2]
             # A corpus cursor carries its state's edge range and occurrences (kernels/sam.py).
             lo, hi, total = s_cur[C_A, c], s_cur[C_OFF, c], s_cur[C_B, c]
+            cls = _class(src, total, 0)
+            f, src_gain = _factor(factor, calibrate, cls, length), gain[src]
             for e in range(lo, min(hi, lo + corpus_limit)):
                 occ = edges[e, sk.E_OCC]
                 raw = occ / (total + 1)
-                cls = _class(src, total, 0)
-                est, base = _estimate(factor, calibrate, cls, length, raw, gain[src])
+                est, base = _estimate(f, raw, src_gain)
                 if prob * est <= threshold:
                     break
                 kid = _new_cursor(s_cur, counts, src, edges[e, sk.E_LO], occ,
@@ -377,10 +384,10 @@ def _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cu
             start, num, off = s_cur[C_A, c], s_cur[C_B, c], s_cur[C_OFF, c]
             g = _context_groups(tok, n_tok, pool, start, num, off, groups)
             cls = _class(src, num, wild)
+            f = _factor(factor, calibrate, cls, length)
             take = 0
             while take < min(g, limit):  # the groups' estimates decrease with their sizes
-                est, _ = _estimate(factor, calibrate, cls, length, groups[1, take] / (num + 1),
-                                   gain[src])
+                est, _ = _estimate(f, groups[1, take] / (num + 1), gain[src])
                 if prob * est <= threshold:
                     break
                 take += 1
@@ -390,7 +397,7 @@ def _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cu
                 at = counts[N_POOL]
                 counts[N_POOL] += size
                 raw = size / (num + 1)
-                est, base = _estimate(factor, calibrate, cls, length, raw, gain[src])
+                est, base = _estimate(f, raw, gain[src])
                 kid = _new_cursor(s_cur, counts, src, at, size, off + 1, length + 1, cls, wild)
                 _offer(s_cur, s_raw, s_cand, s_cand_f, counts, first_cand, slot, t, src, est,
                        base, kid, raw)
