@@ -84,6 +84,30 @@ def test_a_wildcard_match_copies_past_new_tokens(backend: str, wildcards: int):
 
 
 @backends
+def test_a_cursor_offers_no_continuation_that_cannot_be_placed(backend: str):
+    # The context's X and Y (each 1 of 2 earlier "a": 1/3) fill the 2 nodes a budget of 2 can
+    # take; the trie's X and Y (1 of 3 "a": 1/4) rank below both, so the trie cursor offers
+    # neither and the nodes carry the context's evidence alone: only the context learns.
+    a, x, y = 10, 11, 12
+    drafter = new_drafter(backend)
+    drafter.start("r", [a, x, 50, a, y, 51, a])
+    (tree,) = drafter.propose(["r"], [2])
+    assert sorted(tree.token_ids[1:]) == [x, y]
+    assert set(tree.sources[1:]) == {CONTEXT}
+    drafter.commit("r", [x, 50])
+    calibration = drafter.stats()["calibration"]
+    assert sum(calibration["context"]["trials"]) == 2  # X accepted, Y rejected
+    assert sum(calibration["trie"]["trials"]) == 0
+    # With a third node to fill, the trie's X still ranks among the best 3: it is offered
+    # and merges into the context's X (the threshold, not the budget alone, cut it above).
+    wider = new_drafter(backend)
+    wider.start("r", [a, x, 50, a, y, 51, a])
+    wider.propose(["r"], [3])
+    wider.commit("r", [x, 50])
+    assert sum(wider.stats()["calibration"]["trie"]["trials"]) > 0
+
+
+@backends
 def test_the_trie_fallback_offers_frequent_tokens_after_a_new_token(backend: str):
     # Nothing matches the new token 99; the trie's most frequent token (13) comes first, as a
     # match of length 0, and under it only its most frequent follower (1; not 2 or 3).

@@ -4,9 +4,10 @@ Sources (drafting/sources.py): the request's own context (references, prompt, ou
 trie learned across requests, and every external corpus. Each source turns a matched suffix into
 a cursor; a cursor lists continuation tokens with raw estimates `count / (occurrences + 1)`,
 normalised within that source, which the calibrator turns into P(accepted | parent accepted) per
-(source, matched length). All cursors feed ONE heap keyed by the estimated probability that the
+(source, matched length). All cursors feed ONE ranking by the estimated probability that the
 whole path is accepted, so the tree is best-first: node i's path probability never exceeds that
-of any earlier node (kernels/build.py has the walk).
+of any earlier node (kernels/build.py has the walk, which keeps only the candidates the tree can
+still take, and offers none that could not be placed).
 
 Trie policy: the prompt and every committed token go into the global trie as soon as they are
 known (count once), so concurrent requests sharing text help each other at once. The same

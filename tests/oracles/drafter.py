@@ -166,19 +166,22 @@ class ReferenceDrafter:
     ) -> int:
         """Merge every cursor's continuations by token and push one candidate per token. A
         cursor offers at most `room` (the nodes the tree can still take) continuations, and
-        stops at the first whose path probability does not beat the room-th best candidate in
-        the heap (it is pushed later, so it loses a tie); its estimates carry the request's gain
-        for its source. Corpus cursors continue only under the root (node_source -1) and under
-        nodes the corpus won."""
+        stops at the first whose path probability does not beat the room-th best candidate
+        when the cursor starts, among the heap and the earlier cursors' merged candidates at
+        their estimates then (it is pushed later, so it loses a tie); its estimates carry the
+        request's gain for its source. Corpus cursors continue only under the root
+        (node_source -1) and under nodes the corpus won."""
         limit = min(self.config.max_bfs_breadth, room)
-        best = heapq.nsmallest(room, heap)
-        threshold = -best[-1][0] if len(best) == room else -1.0
+        queued = [-entry[0] for entry in heapq.nsmallest(room, heap)]
         # token -> [estimate, source, child cursors, evidence, estimate before the gain]
         merged: dict[int, list] = {}
         estimate = self.calibrator.estimate
         for source, handle, length, wild in cursors:
             if source == CORPUS and node_source not in (-1, CORPUS):
                 continue
+            ranked = sorted(queued + [prob * entry[0] for entry in merged.values()],
+                            reverse=True)
+            threshold = ranked[room - 1] if len(ranked) >= room else -1.0
             for token, child, count, total in self._continuations(source, handle, limit, wild):
                 raw = count / (total + 1)
                 # The evidence class (calibration.py)
