@@ -5,8 +5,8 @@ trie's distinct-count anchors, then each external corpus's suffix-link anchors (
 name) become root cursors; each expansion merges its cursors' continuations by token (first-seen
 order, the higher estimate wins) and ranks one candidate per token by (-path probability, push
 sequence), keeping only the best the tree can still take (`_rank`); the best is placed next, and
-every placed node keeps its evidence (source, matched length, raw estimate) for calibration. Cursors and candidates live in preallocated scratch
-(`Scratch`):
+every placed node keeps its evidence (source, matched length, raw estimate) for calibration.
+Cursors and candidates live in preallocated scratch (`Scratch`):
   cursor columns: SRC, A (trie node | pool start | automaton state's first edge),
                   B (pool length | the state's occurrences), OFF (context offset | the
                   state's edge end), LEN (matched length), NEXT (next cursor of the same
@@ -49,7 +49,7 @@ K_SLOT, K_TOK, K_SRC, K_HEAD, K_TAIL = range(5)
 (P_LIMIT, P_ANCHORS, P_OCC, P_CURSORS, P_POOL, P_GROUPS, P_NODES, P_EVIDENCE, P_MAX_MATCH,
  P_CALIBRATE, P_SAM_MATCH, P_WILDCARDS, P_TRIE_FALLBACK) = range(13)
 # counts (int64): next cursor, next candidate, ranked candidates, pool used
-N_CUR, N_CAND, N_HEAP, N_POOL = range(4)
+N_CUR, N_CAND, N_RANKED, N_POOL = range(4)
 # A request's int buffer starts with: where its tokens begin in its context array, the number of
 # nodes of its last kernel-built tree still awaiting commit (0: none), and its evidence slots (the
 # corpora in use when its buffers were laid out size them, so a commit reads a pending tree with
@@ -210,7 +210,7 @@ def _rank(ranked: np.ndarray, counts: np.ndarray, cand_f: np.ndarray, c: int,
     the tree takes at most `room` more nodes, each the best candidate left, and a later
     candidate never ranks above its parent, so one that ranks below `room` others is never
     placed."""
-    size = counts[N_HEAP]
+    size = counts[N_RANKED]
     if size >= room and not _ranks_before(cand_f, c, ranked[room - 1]):
         return
     i = min(size, room - 1)
@@ -218,18 +218,18 @@ def _rank(ranked: np.ndarray, counts: np.ndarray, cand_f: np.ndarray, c: int,
         ranked[i] = ranked[i - 1]
         i -= 1
     ranked[i] = c
-    counts[N_HEAP] = min(size + 1, room)
+    counts[N_RANKED] = min(size + 1, room)
 
 
 @njit(cache=True, inline="always")
 def _unrank(ranked: np.ndarray, counts: np.ndarray, c: int) -> None:
     """Take candidate c out of the ranking if it is in it (to rank it again, higher)."""
-    size = counts[N_HEAP]
+    size = counts[N_RANKED]
     for i in range(size):
         if ranked[i] == c:
             for j in range(i, size - 1):
                 ranked[j] = ranked[j + 1]
-            counts[N_HEAP] = size - 1
+            counts[N_RANKED] = size - 1
             return
 
 
@@ -238,10 +238,10 @@ def _take_best(ranked: np.ndarray, counts: np.ndarray, room: int) -> int:
     """The best candidate, out of the ranking, which then keeps `room` (the nodes the tree can
     take after it) at most."""
     top = ranked[0]
-    size = counts[N_HEAP] - 1
+    size = counts[N_RANKED] - 1
     for i in range(size):
         ranked[i] = ranked[i + 1]
-    counts[N_HEAP] = min(size, room)
+    counts[N_RANKED] = min(size, room)
     return top
 
 
@@ -249,7 +249,7 @@ def _take_best(ranked: np.ndarray, counts: np.ndarray, room: int) -> int:
 def _threshold(ranked: np.ndarray, counts: np.ndarray, cand_f: np.ndarray, room: int) -> float:
     """The path probability a new candidate must beat to be placed: that of the room-th ranked
     candidate (it loses ties, being pushed later), or -1 while fewer are ranked."""
-    return -cand_f[1, ranked[room - 1]] if counts[N_HEAP] >= room else -1.0
+    return -cand_f[1, ranked[room - 1]] if counts[N_RANKED] >= room else -1.0
 
 
 @njit(cache=True, inline="always")
@@ -537,7 +537,7 @@ def build(cols, edges, tmeta, tstate, tok, prev, cst, cal, settings, params, bud
         _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cur, s_raw,
                        s_cand, s_cand_f, ranked, pool, groups, counts, parent, prob, head,
                        budget + 1 - n, node_src)
-        if counts[N_HEAP] == 0:
+        if counts[N_RANKED] == 0:
             break
         k = _take_best(ranked, counts, budget - n)
         prob = -s_cand_f[1, k]
