@@ -407,20 +407,19 @@ def _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cu
             start, num, off = s_cur[C_A, c], s_cur[C_B, c], s_cur[C_OFF, c]
             g = _context_groups(tok, n_tok, pool, start, num, off, groups)
             cls = _class(src, num, wild)
-            f = _factor(factor, calibrate, cls, length)
-            take = 0
-            while take < min(g, limit):  # the groups' estimates decrease with their sizes
-                est, _ = _estimate(f, groups[1, take] / (num + 1), gain[src])
+            f, src_gain = _factor(factor, calibrate, cls, length), gain[src]
+            take = min(g, limit)
+            # The ends of every group that may be offered; a group cut by the threshold leaves
+            # its copy unclaimed (the next cursor's split writes over it).
+            _split_ends(pool, start, num, groups, g, take, counts)
+            for j in range(take):  # the groups' estimates decrease with their sizes
+                t, size = groups[0, j], groups[1, j]
+                raw = size / (num + 1)
+                est, base = _estimate(f, raw, src_gain)
                 if prob * est <= threshold:
                     break
-                take += 1
-            _split_ends(pool, start, num, groups, g, take, counts)
-            for j in range(take):
-                t, size = groups[0, j], groups[1, j]
                 at = counts[N_POOL]
                 counts[N_POOL] += size
-                raw = size / (num + 1)
-                est, base = _estimate(f, raw, gain[src])
                 kid = _new_cursor(s_cur, counts, src, at, size, off + 1, length + 1, cls, wild)
                 _offer(s_cur, s_raw, s_cand, s_cand_f, ranked, counts, first_cand, slot, t, src,
                        est, base, kid, raw, prob, room)
