@@ -112,7 +112,8 @@ class NgramDrafter:
         # µs, so even property and method-call overheads show).
         self._nodes = config.num_draft_tokens + 1
         self._depth = config.max_trie_depth
-        self._min_path_prob = config.min_path_prob
+        self._min_path_prob = float(config.min_path_prob)  # the kernel's types are fixed
+        self._propose_kernel = None  # step.propose without dispatch, made at the first propose
         self._layout = self._new_layout({})
         self._current_layout()  # the corpus bank is built here, not in the first step
         self._counts = np.zeros(2 * NUM_SOURCES, np.int64)  # drafted, then accepted, by source
@@ -212,8 +213,9 @@ class NgramDrafter:
                 if req.trie_state.epoch != trie.epoch:
                     trie.sync(req.trie_state)
                     self._table.set(req.slot, req.arrays())
-        try:
-            io = np.array(queue + batch, np.int64)
+        items = queue + batch
+        try:  # fromiter converts like np.array (the same errors), ~0.2 µs sooner
+            io = np.fromiter(items, np.int64, len(items))
         except (OverflowError, TypeError, ValueError):
             self._drop_bad_commits()  # raises, naming them; the rest of the queue stays
         # Counted again if the queue does not run now (bad tokens): that only grows it sooner.
@@ -293,7 +295,8 @@ class NgramDrafter:
                     self._flush()
                     flushed = True
                 self._lay_out(req, layout, req.trie_start)
-            budget = min(budget, cap)
+            if budget > cap:  # not min(): a builtin call shows at this scale
+                budget = cap
             if budget > 0 and req.trie_state.epoch != trie.epoch:
                 trie.sync(req.trie_state)
                 self._table.set(req.slot, req.arrays())
@@ -310,10 +313,18 @@ class NgramDrafter:
         out_p = np.empty((num, nodes), np.float64)
         # Threads only pay off with a few requests each (a parallel region costs ~1.5 µs); a slot
         # named twice (a caller's bug) would be built by two threads at once.
-        kernel = step.propose
         if self._threads > 1 and num >= 4 * self._threads and len(set(slots)) == num:
-            kernel = step.propose_parallel
-        self._after_queue(kernel(io, queued, out, out_p, g, self._min_path_prob))
+            failed = step.propose_parallel(io, queued, out, out_p, g, self._min_path_prob)
+        else:
+            kernel = self._propose_kernel  # undispatched: every argument is made as above
+            if kernel is None:
+                kernel = self._propose_kernel = step.direct(
+                    step.propose, io, queued, out, out_p, g, self._min_path_prob)
+            failed = kernel(io, queued, out, out_p, g, self._min_path_prob)
+        if failed or self._releasing:
+            self._after_queue(failed)
+        else:  # _after_queue's common case, inlined
+            self._queue, self._queued_positions = [], 0
         return DraftBatch.trusted(out, out_p)  # shaped above
 
     def _current_layout(self) -> _Layout:
