@@ -382,6 +382,26 @@ def refresh(cols: np.ndarray, edges: np.ndarray, meta: np.ndarray, state: np.nda
 
 
 @njit(cache=True, inline="always")
+def _prefetch_children(cols: np.ndarray, edges: np.ndarray, old: np.ndarray, num_old: int,
+                       grams: int, token: int) -> None:
+    """Ask for what counting `token` under each parent reads first (`child_of`): the parent's
+    first child and the (parent, token) hash slot. The parents' own rows are warm (counted at
+    the token before); the rest of a trie past L2 is not, and the n-grams are independent, so
+    their misses overlap instead of coming one n-gram after another. A hint: a stale anchor
+    only prefetches a line it does not read."""
+    for k in range(grams):
+        parent = ROOT
+        if k > 0:
+            if k > num_old or old[k - 1] < 0:
+                return
+            parent = old[k - 1]
+        first = cols[parent, FIRST]
+        if first >= 0:
+            ht.prefetch(cols, first)
+            ht.prefetch(edges, ht.home(edges, ht.pair_key(parent, token)))
+
+
+@njit(cache=True, inline="always")
 def extend(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, meta: np.ndarray,
            state: np.ndarray, ctx: np.ndarray, start: int, end: int, work: np.ndarray) -> int:
     """Count the n-grams ending at ctx[start:end] (ReferenceTrie._advance per token); 0 or -2.
@@ -397,6 +417,7 @@ def extend(cols: np.ndarray, edges: np.ndarray, runs: np.ndarray, meta: np.ndarr
         num_old = state[0]
         for i in range(num_old):
             old[i] = state[1 + i]
+        _prefetch_children(cols, edges, old, num_old, min(depth, pos + 1), token)
         num_new = 0
         for k in range(min(depth, pos + 1)):
             if k == 0:
