@@ -295,7 +295,7 @@ class NgramDrafter:
                     self._flush()
                     flushed = True
                 self._lay_out(req, layout, req.trie_start)
-            if budget > cap:  # not min(): a builtin call shows at this scale
+            if budget > cap:  # noqa: PLR1730 (not min(): a builtin call shows at this scale)
                 budget = cap
             if budget > 0 and req.trie_state.epoch != trie.epoch:
                 trie.sync(req.trie_state)

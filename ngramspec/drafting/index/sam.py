@@ -124,8 +124,7 @@ class SuffixAutomaton:
             p = link[s]
             if p >= 0:
                 occ[p] += occ[s]
-                if max_end[s] > max_end[p]:
-                    max_end[p] = max_end[s]
+                max_end[p] = max(max_end[p], max_end[s])
         return occ, max_end
 
     def _flatten_transitions(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
