@@ -113,7 +113,8 @@ class NgramDrafter:
         self._nodes = config.num_draft_tokens + 1
         self._depth = config.max_trie_depth
         self._min_path_prob = float(config.min_path_prob)  # the kernel's types are fixed
-        self._propose_kernel = None  # step.propose without dispatch, made at the first propose
+        # step.propose and step.apply_queue without dispatch, made at their first use
+        self._propose_kernel = self._apply_kernel = None
         self._layout = self._new_layout({})
         self._current_layout()  # the corpus bank is built here, not in the first step
         self._counts = np.zeros(2 * NUM_SOURCES, np.int64)  # drafted, then accepted, by source
@@ -278,7 +279,11 @@ class NgramDrafter:
         if not self._queue:
             return
         io, queued = self._queued_io([])
-        self._after_queue(step.apply_queue(io, queued, self._globals_now(self._layout)))
+        g = self._globals_now(self._layout)
+        kernel = self._apply_kernel  # undispatched, as in propose
+        if kernel is None:
+            kernel = self._apply_kernel = step.direct(step.apply_queue, io, queued, g)
+        self._after_queue(kernel(io, queued, g))
 
     # ----------------------------------------------------------------- proposing
 
