@@ -235,7 +235,7 @@ class NgramDrafter:
             g = self._globals = step.Globals((
                 table.addr, table.size, layout.params, cal.cal, cal.settings, self._counts,
                 s.ints, s.floats, s.work, s.counts, trie.cols, trie.edges, trie.runs, trie.meta,
-                bank.states, bank.trans, bank.edges, bank.roots))
+                bank.states, bank.trans, bank.edges, bank.roots, s.lanes))
         return g.table
 
     def _drop_bad_commits(self) -> None:

@@ -40,6 +40,7 @@ from ngramspec.drafting.sources import CONTEXT, CORPUS, TRIE
 
 C_SRC, C_A, C_B, C_OFF, C_LEN, C_NEXT, C_CLS, C_WILD = range(8)
 CURSOR_COLUMNS = 8
+WALK_LANES = 32  # corpus walks in flight at once (Scratch.lanes): a core tracks ~20-odd misses
 K_SLOT, K_TOK, K_SRC, K_HEAD, K_TAIL = range(5)
 # params (read-only in a build, so builds may run in parallel): top-k children per cursor,
 # anchors per source, occurrences per context match, then the config's fixed sizes (scratch
@@ -68,7 +69,9 @@ class Scratch:
       work          the trie levels of a commit, a tree's accepted flags, a build's root anchors
                     (allocating them inside a kernel cost a malloc and two atomic reference
                     counts, more than the work); row 0 serves the queue;
-      counts        the drafts each thread placed by source (summed after the builds).
+      counts        the drafts each thread placed by source (summed after the builds);
+      lanes         the corpus walks in flight before the builds (kernels/sam.py; step.py runs
+                    at most this many at once: enough for their misses to overlap).
     """
 
     def __init__(self, budget: int, limit: int, anchors: int, occurrences: int,
@@ -83,6 +86,7 @@ class Scratch:
         work = max(2 * depth, budget + 1, 3 * anchors)
         self.work = np.zeros((threads, padded(work)), np.int64)
         self.counts = np.zeros((threads, padded(sources)), np.int64)
+        self.lanes = np.zeros((max(WALK_LANES, num_corpora), sk.LANE_COLUMNS), np.int64)
 
 
 def padded(columns: int) -> int:

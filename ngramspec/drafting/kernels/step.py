@@ -49,11 +49,11 @@ BAD_TOKENS = -3  # a queued token is not an int32 (nothing ran); -2: the trie wa
 # Rows of the Globals table, and the dtype and number of dimensions each must have.
 (G_ADDR, G_SIZE, G_PARAMS, G_CAL, G_SETTINGS, G_STATS, G_S_INTS, G_S_FLOATS, G_WORK,
  G_THREAD_STATS, G_COLS, G_EDGES, G_RUNS, G_META, G_STATES, G_TRANS, G_CORPUS_EDGES,
- G_ROOTS) = range(18)
+ G_ROOTS, G_LANES) = range(19)
 GLOBAL_SPECS = ((np.int64, 2), (np.int64, 2), (np.int64, 1), (np.float64, 3), (np.float64, 1),
                 (np.int64, 1), (np.int64, 2), (np.float64, 2), (np.int64, 2), (np.int64, 2),
                 (np.int32, 2), (np.int32, 1), (np.int32, 1), (np.int64, 1), (np.int32, 2),
-                (np.int32, 2), (np.int32, 2), (np.int64, 1))
+                (np.int32, 2), (np.int32, 2), (np.int64, 1), (np.int64, 2))
 
 
 class RequestTable:
@@ -159,7 +159,8 @@ def _raw(a):
     """`a` without its reference count: numba's atomic incref/decref on every array handed to a
     callee or sliced cost more than the work (perf: ~16% of a replay's samples, more than a
     third of the kernels' own); an array from a bare address has no meminfo, so those become a
-    null test. The caller's Python frame holds `a` for the whole call."""
+    null test. The caller's Python frame holds `a` for the whole call; never pass an array made
+    inside a kernel: numba frees it after its last use, which is this call."""
     if not a.flags.c_contiguous:
         raise ValueError("drafter kernels take C-contiguous arrays only")
     return numba.carray(_pointer(a.ctypes.data), a.shape, a.dtype)
@@ -273,11 +274,57 @@ def build_block(lo, hi, t, batch, out, out_p, g, min_path_prob) -> None:
 
 
 @njit(cache=True, inline="always")
+def _start_walks(slot, lanes, live, states, trans, roots, addr, size, cap) -> int:
+    """Lanes (kernels/sam.py) feeding the request's matches in every corpus the tokens it has
+    now, appended to the `live` ones (which step first while there is no room for them); the
+    number live."""
+    while live > lanes.shape[0] - roots.shape[0]:  # Scratch.lanes holds >= one per corpus
+        live = _step_walks(lanes, live, states, trans, roots, addr, size, cap)
+    lo = _view(addr, size, slot, F_INTS, np.int64)[bk.R_TRIE_START]
+    n = _view(addr, size, slot, F_ST, np.int64)[cx.NUM]
+    match = _view2(addr, size, slot, F_MATCHES, 3, np.int64)
+    for k in range(roots.shape[0]):
+        if sk.start_lane(roots, k, match[k], lo, n, cap, lanes[live]):
+            lanes[live, sk.L_SLOT] = slot
+            live += 1
+    return live
+
+
+@njit(cache=True, inline="always")
+def _drop_lane(lanes, live, j) -> int:
+    live -= 1
+    for c in range(sk.LANE_COLUMNS):  # a loop: no parfor in propose_parallel
+        lanes[j, c] = lanes[live, c]
+    return live
+
+
+@njit(cache=True, inline="always")
+def _step_walks(lanes, live, states, trans, roots, addr, size, cap) -> int:
+    """One read of every live lane; a lane that fed its last token writes its match and is
+    dropped. The number still live."""
+    j = 0
+    while j < live:
+        lane = lanes[j]
+        slot, k = lane[sk.L_SLOT], lane[sk.L_CORPUS]
+        if sk.step_lane(states, trans, roots[k], lane,
+                        _view(addr, size, slot, F_TOK, np.int32), cap):
+            sk.finish_lane(lane, _view2(addr, size, slot, F_MATCHES, 3, np.int64)[k])
+            live = _drop_lane(lanes, live, j)
+        else:
+            j += 1
+    return live
+
+
+@njit(cache=True, inline="always")
 def _catch_up_batch(batch, g) -> None:
     """Every corpus match of the batch's drafting requests fed its new tokens before the builds
     read them (a request without a tree is fed at its next), the walks interleaved so that their
-    cache misses overlap (kernels/sam.py `step_lane`). Prefetching what the builds' suffix-link
-    climbs read next as well measured no faster (alternating, 64 in flight)."""
+    cache misses overlap (kernels/sam.py `step_lane`), at most Scratch.lanes at once. (The lanes
+    were an array made here and passed through `_raw`, which numba freed at once: the walks
+    wrote into freed memory.) Prefetching what the builds'
+    suffix-link climbs read next as well measured no faster (alternating, 64 in flight); so did
+    feeding each commit's walk in the queue, between the counts of its n-grams (alternating, 1
+    and 64 in flight, with the standard-library corpus)."""
     roots = _g1(g, G_ROOTS, np.int64)
     num, corpora = batch.shape[0] // 2, roots.shape[0]
     if corpora == 0:
@@ -285,32 +332,13 @@ def _catch_up_batch(batch, g) -> None:
     addr, size = _g2(g, G_ADDR, np.int64), _g2(g, G_SIZE, np.int64)
     states, trans = _g2(g, G_STATES, np.int32), _g2(g, G_TRANS, np.int32)
     cap = _g1(g, G_PARAMS, np.int64)[bk.P_SAM_MATCH]
-    lanes = _raw(np.empty((num * corpora, sk.LANE_COLUMNS), np.int64))
+    lanes = _g2(g, G_LANES, np.int64)
     live = 0
     for i in range(num):
-        if batch[num + i] <= 0:  # no tree: its build reads no match
-            continue
-        slot = batch[i]
-        lo = _view(addr, size, slot, F_INTS, np.int64)[bk.R_TRIE_START]
-        n = _view(addr, size, slot, F_ST, np.int64)[cx.NUM]
-        match = _view2(addr, size, slot, F_MATCHES, 3, np.int64)
-        for k in range(corpora):
-            if sk.start_lane(roots, k, match[k], lo, n, cap, lanes[live]):
-                lanes[live, sk.L_SLOT] = slot
-                live += 1
+        if batch[num + i] > 0:  # else no tree: its build reads no match
+            live = _start_walks(batch[i], lanes, live, states, trans, roots, addr, size, cap)
     while live > 0:
-        j = 0
-        while j < live:
-            lane = lanes[j]
-            slot, k = lane[sk.L_SLOT], lane[sk.L_CORPUS]
-            if sk.step_lane(states, trans, roots[k], lane,
-                            _view(addr, size, slot, F_TOK, np.int32), cap):
-                sk.finish_lane(lane, _view2(addr, size, slot, F_MATCHES, 3, np.int64)[k])
-                live -= 1
-                for c in range(sk.LANE_COLUMNS):  # a loop: no parfor in propose_parallel
-                    lanes[j, c] = lanes[live, c]
-            else:
-                j += 1
+        live = _step_walks(lanes, live, states, trans, roots, addr, size, cap)
 
 
 @njit(cache=True, inline="always")
