@@ -215,7 +215,7 @@ class NgramDrafter:
                     trie.sync(req.trie_state)
                     self._table.set(req.slot, req.arrays())
         items = queue + batch
-        try:  # fromiter converts like np.array (the same errors), ~0.2 µs sooner
+        try:  # converts like np.array (the same errors); faster for a batch of many requests
             io = np.fromiter(items, np.int64, len(items))
         except (OverflowError, TypeError, ValueError):
             self._drop_bad_commits()  # raises, naming them; the rest of the queue stays
