@@ -486,3 +486,27 @@ def test_a_node_matched_by_the_bonus_token_had_its_children_unjudged(backend: st
     assert tree.token_ids[1:4] == [105, 106, 107] and tree.parents[1:4] == [0, 1, 2]
     drafter.commit("r", [105])
     assert drafter.request_gains("r")["context"] == pytest.approx(2 / 1.5)
+
+
+def test_a_batch_still_held_is_never_written_again():
+    """The drafter reuses its last batch's arrays only when nothing else holds them
+    (NgramDrafter._outputs): a batch, or a view of one, kept across proposes keeps its trees."""
+    a, b, c, d = 10, 11, 12, 13
+    drafter = new_drafter("production")
+    drafter.start("r", [a, b, c, d, 99, a, b, c, d, 98, a, b])
+    first = drafter.propose(["r"], [11])
+    kept = (first.ints.copy(), first.probs.copy())
+    drafter.commit("r", [c, d])
+    second = drafter.propose(["r"], [11])
+    assert second.ints is not first.ints and second.probs is not first.probs
+    assert (first.ints == kept[0]).all() and (first.probs == kept[1]).all()
+    row = second.ints[0]  # a view holds its base
+    kept_row = row.copy()
+    del second
+    drafter.commit("r", [99])
+    third = drafter.propose(["r"], [11])
+    assert third.ints is not row.base and (row == kept_row).all()
+    reused = id(third.ints)  # the drafter still holds it: no other array can take its id
+    del third, row
+    drafter.commit("r", [a])
+    assert id(drafter.propose(["r"], [11]).ints) == reused  # dropped: written again
