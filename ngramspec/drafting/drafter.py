@@ -268,9 +268,10 @@ class NgramDrafter:
         if failed:
             raise RuntimeError("trie columns were not grown before extend (bug)")
         self._queue, self._queued_positions = [], 0
-        for slot in self._releasing:
-            self._table.release(slot)
-        self._releasing = []
+        if self._releasing:  # rare (a request stopped with operations queued): skip the loop
+            for slot in self._releasing:
+                self._table.release(slot)
+            self._releasing = []
 
     def flush(self) -> None:
         """Learn what start and commit queued now instead of in the next propose: the engine calls
@@ -327,10 +328,7 @@ class NgramDrafter:
                 kernel = self._propose_kernel = step.direct(
                     step.propose, io, queued, out, out_p, g, self._min_path_prob)
             failed = kernel(io, queued, out, out_p, g, self._min_path_prob)
-        if failed or self._releasing:
-            self._after_queue(failed)
-        else:  # _after_queue's common case, inlined
-            self._queue, self._queued_positions = [], 0
+        self._after_queue(failed)
         return DraftBatch.trusted(out, out_p)  # shaped above
 
     def _outputs(self, num: int) -> tuple[np.ndarray, np.ndarray]:

@@ -366,6 +366,7 @@ def _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cu
     while c != -1:
         src, length, wild = s_cur[C_SRC, c], s_cur[C_LEN, c], s_cur[C_WILD, c]
         threshold = _threshold(ranked, counts, s_cand_f, room)
+        src_gain = gain[src]
         if src == TRIE:
             node = s_cur[C_A, c]
             total = cols[node, tk.CNT] if node != tk.ROOT else _root_total(cols, params)
@@ -373,7 +374,7 @@ def _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cu
             # data/streams accept the same as with all `breadth` (2.651), 2 or 3 a little less.
             breadth = limit if not wild or node == tk.ROOT else 1
             cls = _class(src, total, wild)
-            f, src_gain = _factor(factor, calibrate, cls, length), gain[src]
+            f = _factor(factor, calibrate, cls, length)
             child = cols[node, tk.FIRST]
             taken = 0
             while child != -1 and taken < breadth:
@@ -385,8 +386,7 @@ def _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cu
                 if cols[child, tk.FIRST] >= 0:  # what expanding it reads first
                     ht.prefetch(cols, cols[child, tk.FIRST])
                 _offer(s_cur, s_raw, s_cand, s_cand_f, ranked, counts, first_cand, slot,
-                       cols[child, tk.TOK], src, est, base, kid, raw, prob,
-                       room)
+                       cols[child, tk.TOK], src, est, base, kid, raw, prob, room)
                 child = cols[child, tk.NEXT]
                 taken += 1
         elif src == CORPUS:
@@ -394,7 +394,7 @@ def _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cu
             # A corpus cursor carries its state's edge range and occurrences (kernels/sam.py).
             lo, hi, total = s_cur[C_A, c], s_cur[C_OFF, c], s_cur[C_B, c]
             cls = _class(src, total, 0)
-            f, src_gain = _factor(factor, calibrate, cls, length), gain[src]
+            f = _factor(factor, calibrate, cls, length)
             for e in range(lo, min(hi, lo + corpus_limit)):
                 occ = edges[e, sk.E_OCC]
                 raw = occ / (total + 1)
@@ -405,13 +405,12 @@ def _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cu
                                   edges[e, sk.E_HI], length + 1, cls, 0)
                 ht.prefetch(edges, edges[e, sk.E_LO])  # what expanding it reads
                 _offer(s_cur, s_raw, s_cand, s_cand_f, ranked, counts, first_cand, slot,
-                       edges[e, sk.E_TOKEN], src, est, base, kid, raw, prob,
-                       room)
+                       edges[e, sk.E_TOKEN], src, est, base, kid, raw, prob, room)
         else:
             start, num, off = s_cur[C_A, c], s_cur[C_B, c], s_cur[C_OFF, c]
             g = _context_groups(tok, n_tok, pool, start, num, off, groups)
             cls = _class(src, num, wild)
-            f, src_gain = _factor(factor, calibrate, cls, length), gain[src]
+            f = _factor(factor, calibrate, cls, length)
             take = min(g, limit)
             # The ends of every group that may be offered; a group cut by the threshold leaves
             # its copy unclaimed (the next cursor's split writes over it).

@@ -319,12 +319,11 @@ def _step_walks(lanes, live, states, trans, roots, addr, size, cap) -> int:
 def _catch_up_batch(batch, g) -> None:
     """Every corpus match of the batch's drafting requests fed its new tokens before the builds
     read them (a request without a tree is fed at its next), the walks interleaved so that their
-    cache misses overlap (kernels/sam.py `step_lane`), at most Scratch.lanes at once. (The lanes
-    were an array made here and passed through `_raw`, which numba freed at once: the walks
-    wrote into freed memory.) Prefetching what the builds'
-    suffix-link climbs read next as well measured no faster (alternating, 64 in flight); so did
+    cache misses overlap (kernels/sam.py `step_lane`), at most Scratch.lanes at once (preallocated:
+    an array made here and passed through `_raw` is freed at once, `_raw` says why). Neither
+    prefetching what the builds' suffix-link climbs read next (alternating, 64 in flight) nor
     feeding each commit's walk in the queue, between the counts of its n-grams (alternating, 1
-    and 64 in flight, with the standard-library corpus)."""
+    and 64 in flight, with the standard-library corpus), measured faster."""
     roots = _g1(g, G_ROOTS, np.int64)
     num, corpora = batch.shape[0] // 2, roots.shape[0]
     if corpora == 0:
