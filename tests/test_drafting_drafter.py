@@ -384,6 +384,12 @@ def test_a_bad_commit_is_a_clear_error_and_the_others_are_kept():
     (tree,) = drafter.propose(["good"], [3])  # the queue kept the good commit
     assert drafter.trie.lookup([3, 1, 2]) >= 0
     assert tree.token_ids[0] == 2
+    drafter.commit("bad", [1.5])  # not truncated to 1: refused
+    with pytest.raises(ValueError, match="bad"):
+        drafter.propose(["good"], [3])
+    with pytest.raises(ValueError, match="budgets must be integers"):
+        drafter.propose(["good"], [2.0])
+    assert len(drafter.propose(["good", "bad"], [3, 3])) == 2  # still serving both
 
 
 def copy_run(drafter, request_id: str, text: list[int], steps: int) -> None:
@@ -490,7 +496,7 @@ def test_a_node_matched_by_the_bonus_token_had_its_children_unjudged(backend: st
 
 def test_a_batch_still_held_is_never_written_again():
     """The drafter reuses its last batch's arrays only when nothing else holds them
-    (NgramDrafter._outputs): a batch, or a view of one, kept across proposes keeps its trees."""
+    (NgramDrafter.propose): a batch, or a view of one, kept across proposes keeps its trees."""
     a, b, c, d = 10, 11, 12, 13
     drafter = new_drafter("production")
     drafter.start("r", [a, b, c, d, 99, a, b, c, d, 98, a, b])

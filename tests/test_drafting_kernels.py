@@ -3,6 +3,8 @@ identical results."""
 
 from __future__ import annotations
 
+import array
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -305,10 +307,10 @@ def test_step_kernels_refuse_non_contiguous_arrays() -> None:
     from ngramspec.drafting.kernels import step
 
     drafter = NgramDrafter(DrafterConfig())
-    g = drafter._globals_now(drafter._layout)
-    io = np.zeros(6, np.int64)[::2]
+    drafter._globals_now(drafter._layout)
+    out, out_p = np.zeros((0, 37), np.int64), np.zeros((0, 12))
     with pytest.raises(ValueError, match="C-contiguous"):
-        step.apply_queue(io, 0, g)
+        step.propose(array.array("q"), 0, out, out_p, np.zeros((19, 8), np.int64)[:, ::2], 0.0)
     arrays = list(drafter._globals.arrays)
     arrays[step.G_COLS] = np.zeros((8, 18), np.int32)[:, ::2]
     with pytest.raises(ValueError, match="global 10: expected a C-contiguous 2-d int32"):

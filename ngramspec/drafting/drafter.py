@@ -25,6 +25,7 @@ lockstep property tests hold this to, tree for tree.
 
 from __future__ import annotations
 
+import array
 import functools
 import operator
 import sys
@@ -114,9 +115,8 @@ class NgramDrafter:
         self._nodes = config.num_draft_tokens + 1
         self._depth = config.max_trie_depth
         self._min_path_prob = float(config.min_path_prob)  # the kernel's types are fixed
-        # step.propose and step.apply_queue without dispatch, made at their first use
-        self._propose_kernel = self._apply_kernel = None
-        # The last batch's arrays, reused while nothing else holds them (`_outputs`).
+        self._kernel = None  # step.propose without dispatch, made at its first use
+        # The last batch's arrays, reused while nothing else holds them (`propose`).
         self._out = np.empty((0, 3 * self._nodes + 1), np.int64)
         self._out_p = np.empty((0, self._nodes), np.float64)
         self._layout = self._new_layout({})
@@ -206,27 +206,6 @@ class NgramDrafter:
 
     # ----------------------------------------------------------------- the queue
 
-    def _queued_io(self, batch: list[int]) -> tuple[np.ndarray, int]:
-        """The queue followed by `batch` as one kernel array (kernels/step.py), and the queue's
-        length; the trie is grown to fit the queue."""
-        trie, queue = self._trie, self._queue
-        if queue and trie.epoch != self._queue_epoch:
-            # Reset by someone holding the trie while these waited (the drafter's own readers
-            # run the queue first): they go to the new trie, and no anchor may name a node it
-            # no longer has.
-            for req in self._requests.values():
-                if req.trie_state.epoch != trie.epoch:
-                    trie.sync(req.trie_state)
-                    self._table.set(req.slot, req.arrays())
-        items = queue + batch
-        try:  # converts like np.array (the same errors); faster for a batch of many requests
-            io = np.fromiter(items, np.int64, len(items))
-        except (OverflowError, TypeError, ValueError):
-            self._drop_bad_commits()  # raises, naming them; the rest of the queue stays
-        # Counted again if the queue does not run now (bad tokens): that only grows it sooner.
-        trie.reserve(self._queued_positions * self._depth)
-        return io, len(queue)
-
     def _globals_now(self, layout: _Layout) -> np.ndarray:
         """The kernels' table of the shared arrays (kernels/step.py `Globals`), remade when the
         trie grew or was replaced, the calibration was reset, the request table grew or the
@@ -262,16 +241,11 @@ class NgramDrafter:
         names = [rid for rid, req in self._requests.items() if req.slot in bad]
         raise ValueError(f"commit of requests {names}: token ids must be int32 (dropped)")
 
-    def _after_queue(self, failed: int) -> None:
+    def _failed(self, failed: int) -> None:
+        """Raise for a kernel's failure code (kernels/step.py)."""
         if failed == step.BAD_TOKENS:  # nothing ran
-            self._drop_bad_commits()
-        if failed:
-            raise RuntimeError("trie columns were not grown before extend (bug)")
-        self._queue, self._queued_positions = [], 0
-        if self._releasing:  # rare (a request stopped with operations queued): skip the loop
-            for slot in self._releasing:
-                self._table.release(slot)
-            self._releasing = []
+            self._drop_bad_commits()  # raises, naming them; the rest of the queue stays
+        raise RuntimeError("trie columns were not grown before extend (bug)")
 
     def flush(self) -> None:
         """Learn what start and commit queued now instead of in the next propose: the engine calls
@@ -281,68 +255,95 @@ class NgramDrafter:
 
     def _flush(self) -> None:
         """Run the queued operations now (a reader of the trie or calibration is coming)."""
-        if not self._queue:
-            return
-        io, queued = self._queued_io([])
-        g = self._globals_now(self._layout)
-        kernel = self._apply_kernel  # undispatched, as in propose
-        if kernel is None:
-            kernel = self._apply_kernel = step.direct(step.apply_queue, io, queued, g)
-        self._after_queue(kernel(io, queued, g))
+        if self._queue:
+            self._run([], self._layout, self._out, self._out_p)  # no tree: nothing written
 
     # ----------------------------------------------------------------- proposing
 
     def propose(self, request_ids: list[str], budgets: list[int]) -> DraftBatch:
-        if len(request_ids) != len(budgets):
+        num = len(request_ids)
+        if num != len(budgets):
             raise ValueError("request_ids and budgets must have the same length")
         layout = self._current_layout()
-        cap, trie = self._nodes - 1, self._trie
-        slots, capped, flushed = [], [], False
+        cap, trie, requests = self._nodes - 1, self._trie, self._requests
+        batch: list[int] = []  # (slot, budget) per request (kernels/step.py)
         for rid, budget in zip(request_ids, budgets):  # one pass: this runs per request-step
-            req = self._requests[rid]
-            if req.layout is not layout:  # new corpora: queued commits learn from the old tree
-                if not flushed:
-                    self._flush()
-                    flushed = True
-                self._lay_out(req, layout, req.trie_start)
+            req = requests[rid]
             if budget > cap:  # noqa: PLR1730 (not min(): a builtin call shows at this scale)
                 budget = cap
-            if budget > 0 and req.trie_state.epoch != trie.epoch:
-                trie.sync(req.trie_state)
-                self._table.set(req.slot, req.arrays())
-            slots.append(req.slot)
-            capped.append(budget)
-        # numpy calls cost ~0.3-0.7 µs each, which shows with one request: one input array for
-        # the queue and the batch (slots, then budgets), and one output array per dtype, reused
-        io, queued = self._queued_io(slots + capped)
-        g = self._globals_now(layout)
-        num = len(slots)
-        out, out_p = self._outputs(num)
-        # Threads only pay off with a few requests each (a parallel region costs ~1.5 µs); a slot
-        # named twice (a caller's bug) would be built by two threads at once.
-        if self._threads > 1 and num >= 4 * self._threads and len(set(slots)) == num:
-            failed = step.propose_parallel(io, queued, out, out_p, g, self._min_path_prob)
-        else:
-            kernel = self._propose_kernel  # undispatched: every argument is made as above
-            if kernel is None:
-                kernel = self._propose_kernel = step.direct(
-                    step.propose, io, queued, out, out_p, g, self._min_path_prob)
-            failed = kernel(io, queued, out, out_p, g, self._min_path_prob)
-        self._after_queue(failed)
-        return DraftBatch.trusted(out, out_p)  # shaped above
-
-    def _outputs(self, num: int) -> tuple[np.ndarray, np.ndarray]:
-        """The arrays the kernel writes `num` trees into (kernels/step.py `_build_one` has the
-        layout: tokens, parents, sources, then the node count; path probabilities), which the
-        batch returned owns. The last batch's are reused when no one else holds them or a view
-        of them (reference counts: this attribute, the local and getrefcount's argument): the
-        caller dropped that batch, so no one can see them change. Two allocations cost ~0.45
-        µs of a ~9 µs request-step with one request in flight; a held batch is never written."""
+            if req.layout is not layout or budget > 0 and req.trie_state.epoch != trie.epoch:
+                self._refresh(req, layout, budget)
+            batch += (req.slot, budget)
+        # The last batch's arrays are reused when no one else holds them or a view of them
+        # (reference counts: this attribute, the local and getrefcount's argument): the caller
+        # dropped that batch, so no one can see them change. Two allocations cost ~0.45 µs of a
+        # ~8 µs request-step with one request in flight; a held batch is never written. The
+        # layout is kernels/step.py `_build_one`'s.
         out, out_p = self._out, self._out_p
         if out.shape[0] != num or sys.getrefcount(out) > 3 or sys.getrefcount(out_p) > 3:
             out = self._out = np.empty((num, 3 * self._nodes + 1), np.int64)
             out_p = self._out_p = np.empty((num, self._nodes), np.float64)
-        return out, out_p
+        self._run(batch, layout, out, out_p)
+        return DraftBatch.trusted(out, out_p)  # shaped above
+
+    def _refresh(self, req: _Request, layout: _Layout, budget: int) -> None:
+        """A request's buffers laid out for new corpora (its queued commits first learn from the
+        tree built under the old ones), and, when it drafts, its trie state synced after a trie
+        reset (without a tree, its next commit re-anchors it instead)."""
+        if req.layout is not layout:
+            self._flush()
+            self._lay_out(req, layout, req.trie_start)
+        if budget > 0 and req.trie_state.epoch != self._trie.epoch:
+            self._trie.sync(req.trie_state)
+            self._table.set(req.slot, req.arrays())
+
+    def _run(self, batch: list[int], layout: _Layout, out: np.ndarray,
+             out_p: np.ndarray) -> None:
+        """One kernel call (kernels/step.py): the queue, then the batch's trees into `out` and
+        `out_p`. Its input is one int64 array.array, made in one conversion (~0.25 µs; numpy's
+        ~0.45 µs), which refuses what is not an int (np.fromiter truncated 1.5 to 1)."""
+        trie, queue = self._trie, self._queue
+        if queue and trie.epoch != self._queue_epoch:
+            self._resync()
+        try:
+            io = array.array("q", queue + batch)
+        except (OverflowError, TypeError):
+            if not _int64s(batch):  # the slots are ours: a budget
+                raise ValueError("budgets must be integers") from None
+            self._drop_bad_commits()  # raises, naming them; the rest of the queue stays
+        # Counted again if the queue does not run now (bad tokens): that only grows it sooner.
+        trie.reserve(self._queued_positions * self._depth)
+        g = self._globals_now(layout)
+        num = len(batch) // 2
+        # Threads only pay off with a few requests each (a parallel region costs ~1.5 µs); a slot
+        # named twice (a caller's bug) would be built by two threads at once.
+        if self._threads > 1 and num >= 4 * self._threads and len(set(batch[::2])) == num:
+            # As a numpy array: numba's parallel passes cannot read an array.array's shape.
+            failed = step.propose_parallel(np.frombuffer(io, np.int64), len(queue), out, out_p,
+                                           g, self._min_path_prob)
+        else:
+            kernel = self._kernel  # undispatched: every argument is made as above
+            if kernel is None:
+                kernel = self._kernel = step.direct(step.propose, io, len(queue), out, out_p,
+                                                    g, self._min_path_prob)
+            failed = kernel(io, len(queue), out, out_p, g, self._min_path_prob)
+        if failed:
+            self._failed(failed)
+        self._queue, self._queued_positions = [], 0
+        if self._releasing:  # rare (a request stopped with operations queued)
+            for slot in self._releasing:
+                self._table.release(slot)
+            self._releasing = []
+
+    def _resync(self) -> None:
+        """The trie was reset by someone holding it while operations waited (the drafter's own
+        readers run the queue first): they go to the new trie, and no anchor may name a node it
+        no longer has."""
+        trie = self._trie
+        for req in self._requests.values():
+            if req.trie_state.epoch != trie.epoch:
+                trie.sync(req.trie_state)
+                self._table.set(req.slot, req.arrays())
 
     def _current_layout(self) -> _Layout:
         """The layout of the corpora in use now (a new one when the snapshot changed)."""
@@ -437,6 +438,14 @@ def _matches(layout: _Layout) -> np.ndarray:
     if layout.bank is None:
         return np.zeros((0, 3), np.int64)
     return layout.bank.new_matches()
+
+
+def _int64s(values: list) -> bool:
+    try:
+        array.array("q", values)
+    except (OverflowError, TypeError):
+        return False
+    return True
 
 
 def _int32s(tokens: list) -> bool:

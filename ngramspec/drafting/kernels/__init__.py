@@ -6,9 +6,9 @@ references in tests/oracles/ give identical results (the lockstep property tests
 Inlining: a call between numba functions passes every array argument as its ~10-word struct,
 and the build and commit helpers take up to 20 arrays, so the calls cost more than the work (the
 build of a 12-node tree made 12 `_push_children` calls, each ~20 arrays). The hot path is
-therefore `inline="always"` down to its leaves, into two compiled roots only: `step.build_block`
-(the trees) and `step.apply_queue` (the commits). At 64 requests in flight this took a
-request-step from 13.5 to 8.5 µs (`ngramspec bench corpus`); the first compile of the drafter
+therefore `inline="always"` down to its leaves, into few compiled roots: `step.build_block` (the
+trees) and `step.propose` with its threaded twin (the commits, then `build_block` per block of
+the batch). At 64 requests in flight this took a request-step from 13.5 to 8.5 µs (`ngramspec bench corpus`); the first compile of the drafter
 takes about twice as long (~40 s -> ~75 s on 2 cores, cached on disk afterwards). Rarely run
 code (eviction, rehashing) stays a call.
 """
