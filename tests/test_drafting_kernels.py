@@ -307,7 +307,7 @@ def test_step_kernels_refuse_non_contiguous_arrays() -> None:
     from ngramspec.drafting.kernels import step
 
     drafter = NgramDrafter(DrafterConfig())
-    drafter._globals_now(drafter._layout)
+    drafter._new_globals(drafter._layout)
     out, out_p = np.zeros((0, 37), np.int64), np.zeros((0, 12))
     with pytest.raises(ValueError, match="C-contiguous"):
         step.propose(array.array("q"), 0, out, out_p, np.zeros((19, 8), np.int64)[:, ::2], 0.0)

@@ -109,7 +109,7 @@ class NgramDrafter:
         self._queued_positions = 0
         self._releasing: list[int] = []
         self._queue_epoch = self._trie.epoch  # the trie's epoch when the first waiting op came
-        self._globals: step.Globals | None = None  # made for the arrays in use (_globals_now)
+        self._globals: step.Globals | None = None  # made for the arrays in use (_new_globals)
         # Config values read on every step, kept as plain attributes (a request-step is a few
         # µs, so even property and method-call overheads show).
         self._nodes = config.num_draft_tokens + 1
@@ -206,20 +206,17 @@ class NgramDrafter:
 
     # ----------------------------------------------------------------- the queue
 
-    def _globals_now(self, layout: _Layout) -> np.ndarray:
-        """The kernels' table of the shared arrays (kernels/step.py `Globals`), remade when the
-        trie grew or was replaced, the calibration was reset, the request table grew or the
-        corpora changed (each replaces the array checked here)."""
-        g, trie, cal, table = self._globals, self._trie, self.calibrator, self._table
-        if (g is None or g.arrays[step.G_COLS] is not trie.cols
-                or g.arrays[step.G_CAL] is not cal.cal or g.arrays[step.G_ADDR] is not table.addr
-                or g.arrays[step.G_PARAMS] is not layout.params):
-            bank, s = layout.bank or _NO_BANK, layout.scratch
-            g = self._globals = step.Globals((
-                table.addr, table.size, layout.params, cal.cal, cal.settings, self._counts,
-                s.ints, s.floats, s.work, s.counts, trie.cols, trie.edges, trie.runs, trie.meta,
-                bank.states, bank.trans, bank.edges, bank.roots, s.lanes))
-        return g.table
+    def _new_globals(self, layout: _Layout) -> step.Globals:
+        """The kernels' table of the shared arrays (kernels/step.py `Globals`), made anew when
+        the trie grew or was replaced, the calibration was reset, the request table grew or the
+        corpora changed (each replaces an array that `_run` checks)."""
+        trie, cal, table = self._trie, self.calibrator, self._table
+        bank, s = layout.bank or _NO_BANK, layout.scratch
+        self._globals = step.Globals((
+            table.addr, table.size, layout.params, cal.cal, cal.settings, self._counts,
+            s.ints, s.floats, s.work, s.counts, trie.cols, trie.edges, trie.runs, trie.meta,
+            bank.states, bank.trans, bank.edges, bank.roots, s.lanes))
+        return self._globals
 
     def _drop_bad_commits(self) -> None:
         """Take the commits whose tokens are not int32 token ids out of the queue (a caller's
@@ -264,7 +261,9 @@ class NgramDrafter:
         num = len(request_ids)
         if num != len(budgets):
             raise ValueError("request_ids and budgets must have the same length")
-        layout = self._current_layout()
+        layout = self._layout
+        if self.corpora is not None and self.corpora.snapshot() is not layout.snapshot:
+            layout = self._current_layout()  # the registry publishes a new one on any change
         cap, trie, requests = self._nodes - 1, self._trie, self._requests
         batch: list[int] = []  # (slot, budget) per request (kernels/step.py)
         for rid, budget in zip(request_ids, budgets):  # one pass: this runs per request-step
@@ -313,7 +312,11 @@ class NgramDrafter:
             self._drop_bad_commits()  # raises, naming them; the rest of the queue stays
         # Counted again if the queue does not run now (bad tokens): that only grows it sooner.
         trie.reserve(self._queued_positions * self._depth)
-        g = self._globals_now(layout)
+        g = self._globals  # checked here, not in a method: ~0.1 µs a step
+        if (g is None or g.cols is not trie.cols or g.cal is not self.calibrator.cal
+                or g.addr is not self._table.addr or g.params is not layout.params):
+            g = self._new_globals(layout)
+        g = g.table
         num = len(batch) // 2
         # Threads only pay off with a few requests each (a parallel region costs ~1.5 µs); a slot
         # named twice (a caller's bug) would be built by two threads at once.

@@ -111,6 +111,9 @@ class Globals:
             self.table[g, 0] = a.ctypes.data
             self.table[g, 1:1 + ndim] = a.shape
         self.arrays = arrays
+        # The arrays that get replaced (the drafter checks these for a new table each step)
+        self.addr, self.params, self.cal = arrays[G_ADDR], arrays[G_PARAMS], arrays[G_CAL]
+        self.cols = arrays[G_COLS]
 
 
 def _grown_rows(a: np.ndarray, rows: int) -> np.ndarray:
