@@ -387,7 +387,7 @@ def test_a_bad_commit_is_a_clear_error_and_the_others_are_kept():
     drafter.commit("bad", [1.5])  # not truncated to 1: refused
     with pytest.raises(ValueError, match="bad"):
         drafter.propose(["good"], [3])
-    with pytest.raises(ValueError, match="budgets must be integers"):
+    with pytest.raises(ValueError, match="budgets must be int64 integers"):
         drafter.propose(["good"], [2.0])
     assert len(drafter.propose(["good", "bad"], [3, 3])) == 2  # still serving both
 

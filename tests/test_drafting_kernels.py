@@ -302,15 +302,26 @@ def test_a_trie_of_another_depth_is_refused() -> None:
 
 
 def test_step_kernels_refuse_non_contiguous_arrays() -> None:
-    """They alias their arguments by address (kernels/step.py `_raw`, `Globals`): a strided view
-    would be read as if it were contiguous."""
+    """They alias their arguments by address (kernels/step.py `_raw`, `_queue_ints`, `Globals`):
+    a strided view would be read as if it were contiguous, and a queue of another item type as
+    int64. Tiny kernels over the same helpers stand in for the step kernel (a whole new
+    specialization of it would compile for minutes)."""
+    from numba import njit
+    from numba.core.errors import TypingError
+
     from ngramspec.drafting.kernels import step
 
+    first = njit(lambda a: step._raw(a)[0])
+    with pytest.raises(ValueError, match="C-contiguous"):
+        first(np.zeros(6, np.int64)[::2])
+    assert first(np.arange(3, 6, dtype=np.int64)) == 3
+    queue_first = njit(lambda a: step._queue_ints(a)[0])
+    assert queue_first(array.array("q", [7, 8])) == 7
+    for wrong in (array.array("i", [7, 8]), np.zeros(6, np.int64)[::2]):
+        with pytest.raises(TypingError):
+            queue_first(wrong)
     drafter = NgramDrafter(DrafterConfig())
     drafter._new_globals(drafter._layout)
-    out, out_p = np.zeros((0, 37), np.int64), np.zeros((0, 12))
-    with pytest.raises(ValueError, match="C-contiguous"):
-        step.propose(array.array("q"), 0, out, out_p, np.zeros((19, 8), np.int64)[:, ::2], 0.0)
     arrays = list(drafter._globals.arrays)
     arrays[step.G_COLS] = np.zeros((8, 18), np.int32)[:, ::2]
     with pytest.raises(ValueError, match="global 10: expected a C-contiguous 2-d int32"):

@@ -258,6 +258,9 @@ class NgramDrafter:
     # ----------------------------------------------------------------- proposing
 
     def propose(self, request_ids: list[str], budgets: list[int]) -> DraftBatch:
+        """One tree per request (Drafter.propose). A budget is an int; any number above the
+        tree's draft nodes asks for all of them (it is capped before the int check, which the
+        kernel input's conversion makes: a per-request check would cost every step)."""
         num = len(request_ids)
         if num != len(budgets):
             raise ValueError("request_ids and budgets must have the same length")
@@ -308,7 +311,7 @@ class NgramDrafter:
             io = array.array("q", queue + batch)
         except (OverflowError, TypeError):
             if not _int64s(batch):  # the slots are ours: a budget
-                raise ValueError("budgets must be integers") from None
+                raise ValueError("budgets must be int64 integers") from None
             self._drop_bad_commits()  # raises, naming them; the rest of the queue stays
         # Counted again if the queue does not run now (bad tokens): that only grows it sooner.
         trie.reserve(self._queued_positions * self._depth)
@@ -444,6 +447,7 @@ def _matches(layout: _Layout) -> np.ndarray:
 
 
 def _int64s(values: list) -> bool:
+    """Every value is an integer that fits an int64 (what the kernel's input array holds)."""
     try:
         array.array("q", values)
     except (OverflowError, TypeError):

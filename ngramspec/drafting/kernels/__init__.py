@@ -8,10 +8,10 @@ and the build and commit helpers take up to 20 arrays, so the calls cost more th
 build of a 12-node tree made 12 `_push_children` calls, each ~20 arrays). The hot path is
 therefore `inline="always"` down to its leaves, into few compiled roots: `step.build_block` (the
 trees) and `step.propose` with its threaded twin (the commits, then `build_block` per block of
-the batch). At 64 requests in flight this took a request-step from 13.5 to 8.5 µs (`ngramspec bench corpus`); the first compile of the drafter
-took about twice as long (~40 s -> ~75 s on 2 cores then; 3.5-5 minutes on the 2-core EPYC by
-2026-12-06; cached on disk afterwards). Rarely run
-code (eviction, rehashing) stays a call.
+the batch). At 64 requests in flight this took a request-step from 13.5 to 8.5 µs (`ngramspec
+bench corpus`); the first compile of the drafter took about twice as long (~40 s -> ~75 s on 2
+cores then; 3.5-5 minutes on the 2-core EPYC on 2026-12-06; cached on disk afterwards). Rarely
+run code (eviction, rehashing) stays a call.
 """
 
 from __future__ import annotations

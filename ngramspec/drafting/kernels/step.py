@@ -22,8 +22,8 @@ it through the buffer protocol): first the queued operations, each (slot, new to
 followed by its new tokens: append them to the request's context, learning first from its pending
 tree, then count the n-grams ending at the positions from trie start (-1: the first new token) in
 the trie; a request's start queues (slot, 0, where its prompt begins). Then the batch: (slot,
-budget) per request; the drafter's flush sends none. A queued token outside int32 fails the whole call before anything runs (BAD_TOKENS), so the
-caller can drop the bad commits and run the rest.
+budget) per request; the drafter's flush sends none. A queued token outside int32 fails the whole
+call before anything runs (BAD_TOKENS), so the caller can drop the bad commits and run the rest.
 """
 
 from __future__ import annotations
@@ -136,8 +136,11 @@ def _pointer(typingctx, address):
 
 @intrinsic
 def _buffer_address(typingctx, buf):
-    """The address of a buffer's first item (numba types an array.array without `ctypes`)."""
-    if not isinstance(buf, types.Buffer):
+    """The address of a buffer's first item (numba types an array.array without `ctypes`): of a
+    C-contiguous 1-d int64 buffer only, the queue's type (anything else fails to compile, so no
+    int32 or strided buffer is read as the queue; numba checks no buffer's format at the call)."""
+    if not (isinstance(buf, types.Buffer) and buf.dtype == types.int64 and buf.ndim == 1
+            and buf.layout == "C"):
         return None
 
     def codegen(context, builder, signature, args):
@@ -339,10 +342,11 @@ def _catch_up_batch(batch, g) -> None:
     """Every corpus match of the batch's drafting requests fed its new tokens before the builds
     read them (a request without a tree is fed at its next), the walks interleaved so that their
     cache misses overlap (kernels/sam.py `step_lane`), at most Scratch.lanes at once (preallocated:
-    an array made here and passed through `_raw` is freed at once, `_raw` says why). Neither
-    prefetching what the builds' suffix-link climbs read next (alternating, 64 in flight) nor
-    feeding each commit's walk in the queue, between the counts of its n-grams (alternating, 1
-    and 64 in flight, with the standard-library corpus), measured faster."""
+    an array made here and passed through `_raw` is freed at once, `_raw` says why). Then the
+    first edges the builds' root corpus cursors read are prefetched (`_prefetch_root_edges`).
+    Neither prefetching the states the builds' suffix-link climbs read (alternating, 64 in
+    flight) nor feeding each commit's walk in the queue, between the counts of its n-grams
+    (alternating, 1 and 64 in flight, with the standard-library corpus), measured faster."""
     roots = _g1(g, G_ROOTS, np.int64)
     num, corpora = batch.shape[0] // 2, roots.shape[0]
     if corpora == 0:
