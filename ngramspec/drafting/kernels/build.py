@@ -497,14 +497,15 @@ def _root_cursors(cols, edges, tmeta, tstate, trie_start, tok, prev, cst, params
         return head
     for k in range(roots.shape[0]):
         # Suffix-link climb from the match: states with >= 1 continuation, longest first.
-        state, length, taken = match[k, sk.M_STATE], match[k, sk.M_LEN], 0
-        while state > roots[k] and taken < k_max:
-            lo, hi = states[state, sk.S_EDGE], states[state + 1, sk.S_EDGE]
-            if hi > lo:
-                c = _new_cursor(s_cur, counts, CORPUS, lo, states[state, sk.S_OCC], hi,
-                                min(length, states[state, sk.S_LEN]), -1, 0)
-                head, tail = _link(s_cur, head, tail, c)
-                taken += 1
+        state, length = match[k, sk.M_STATE], match[k, sk.M_LEN]
+        for _ in range(k_max):
+            state = sk.anchor_state(states, roots[k], state)
+            if state == roots[k]:
+                break
+            c = _new_cursor(s_cur, counts, CORPUS, states[state, sk.S_EDGE],
+                            states[state, sk.S_OCC], states[state + 1, sk.S_EDGE],
+                            min(length, states[state, sk.S_LEN]), -1, 0)
+            head, tail = _link(s_cur, head, tail, c)
             state = states[state, sk.S_LINK]
     return head
 

@@ -92,6 +92,16 @@ def transition(states, trans, state, token) -> int:
     return -1
 
 
+@njit(cache=True, inline="always")
+def anchor_state(states, root, state) -> int:
+    """The first state from `state` up its suffix links that has a continuation, or `root`
+    (a match's corpus anchors are these states, longest match first: build.py's root cursors,
+    and step.py's prefetch of what those read)."""
+    while state > root and states[state + 1, S_EDGE] <= states[state, S_EDGE]:
+        state = states[state, S_LINK]
+    return max(root, state)
+
+
 # ---- a batch's matches caught up, their walks interleaved ---------------------------------------
 # Feeding a match its new tokens (SuffixAutomaton.advance per token; a match marked -1 starts over
 # from the request's last `cap` tokens, which gives match_state's result) follows one chain of
