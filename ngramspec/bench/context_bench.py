@@ -1,5 +1,6 @@
 """bench context: plain decode ms/token and the verify curve by context length, per weight mode.
 
+Prefill: the prompt's prefill to its first token (prefix cache flushed), as prompt tokens/s.
 Decode: `--tokens` batch-1 greedy decode steps after the prompt's prefill and first token, timed
 on their own, best of `--repeats`. Verify curve: one forward of q query tokens over a
 cached context of that length, relative to q = 1 (`engine/cost_model.time_forward`).
@@ -25,22 +26,27 @@ def synthetic_prompt(length: int, vocab: int) -> list[int]:
     return [(i * 7919) % (vocab - 100) + 100 for i in range(length)]
 
 
-def decode_ms(llm: LLM, context: int, tokens: int, repeats: int) -> float:
-    """Plain decode steps after a `context`-token prefill, timed alone (as llama.cpp's side is),
-    best of `repeats` after a warm-up."""
+def prefill_and_decode(llm: LLM, context: int, tokens: int, repeats: int) -> tuple[float, float]:
+    """(prefill prompt tokens/s, decode ms/token) of a `context`-token prompt: the prefill to the
+    first token with the prefix cache flushed, then plain decode steps timed alone (as
+    llama.cpp's side is); best of `repeats` after a warm-up."""
     prompt = synthetic_prompt(context, llm.engine.model_cfg.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
-    engine, best = llm.engine, float("inf")
+    engine, best, best_prefill = llm.engine, float("inf"), float("inf")
     for r in range(repeats + 1):
+        engine.scheduler.flush_cache()
+        t = time.perf_counter()
         engine.add_request(f"bench-context-{context}-{r}", prompt, params)
         while not any(out.new_token_ids for out in engine.step()):
             pass  # prefill chunks, then the first token
+        prefill = time.perf_counter() - t
         t = time.perf_counter()
         while engine.has_unfinished():
             engine.step()
         if r:
             best = min(best, (time.perf_counter() - t) / tokens)
-    return 1000 * best
+            best_prefill = min(best_prefill, prefill)
+    return context / best_prefill, 1000 * best
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -53,7 +59,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for ctx in args.contexts:
             verify = {q: time_forward(engine.runner, engine.scheduler, 1, q, ctx, repeats=3)
                       for q in QUERY_TOKENS}
-            rows[ctx] = {"decode_ms": decode_ms(llm, ctx, args.tokens, args.repeats),
+            prefill, decode = prefill_and_decode(llm, ctx, args.tokens, args.repeats)
+            rows[ctx] = {"prefill_tok_s": prefill, "decode_ms": decode,
                          "verify_rel": {q: verify[q] / verify[1] for q in QUERY_TOKENS}}
         out[mode] = rows
     return {"kernels": kernel_path(), "modes": out}
@@ -63,13 +70,13 @@ def print_results(r: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="plain decode ms/token and verify cost (q tokens / 1 token) by context, "
-                        f"CPU kernels: {r['kernels']}")
-    for col in ("mode", "context", "decode ms/token", *(f"q={q}" for q in QUERY_TOKENS[1:])):
+    table = Table(title="prefill tok/s, plain decode ms/token and verify cost (q tokens / 1 token) "
+                        f"by context, CPU kernels: {r['kernels']}")
+    for col in ("mode", "context", "prefill tok/s", "decode ms/token", *(f"q={q}" for q in QUERY_TOKENS[1:])):
         table.add_column(col, justify="right")
     for mode, rows in r["modes"].items():
         for ctx, row in rows.items():
-            table.add_row(mode, str(ctx), f"{row['decode_ms']:.1f}",
+            table.add_row(mode, str(ctx), f"{row['prefill_tok_s']:.0f}", f"{row['decode_ms']:.1f}",
                           *(f"{row['verify_rel'][q]:.2f}x" for q in QUERY_TOKENS[1:]))
     Console().print(table)
 

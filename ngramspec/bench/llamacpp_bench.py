@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ngramspec.bench import WEIGHT_MODES, emit
-from ngramspec.bench.context_bench import QUERY_TOKENS, decode_ms, synthetic_prompt
+from ngramspec.bench.context_bench import QUERY_TOKENS, prefill_and_decode, synthetic_prompt
 from ngramspec.bench.quality_bench import matching_prefix
 from ngramspec.engine.cost_model import time_forward
 from ngramspec.kernels import kernel_path
@@ -248,7 +248,7 @@ def run_contexts(engines: dict[str, Any], contexts: list[int], tokens: int,
         ours_v = {q: time_forward(plain.engine.runner, plain.engine.scheduler, 1, q, ctx, repeats)
                   for q in QUERY_TOKENS}
         llama_v = {q: llama.verify_ms(ctx, q, repeats, vocab) for q in QUERY_TOKENS}
-        ours_ms = decode_ms(plain, ctx, tokens, repeats)
+        ours_ms = prefill_and_decode(plain, ctx, tokens, repeats)[1]
         llama_ms = llama.decode_ms(ctx, tokens, repeats, vocab)
         rows[ctx] = {"ours_ms": ours_ms, "llama_ms": llama_ms, "ratio": ours_ms / llama_ms,
                      "ours_verify_rel": {str(q): ours_v[q] / ours_v[1] for q in QUERY_TOKENS},

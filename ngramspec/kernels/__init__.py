@@ -6,6 +6,11 @@ torch's extension builder (ninja + the system g++) for the CPU it runs on (-marc
 `<ngramspec cache>/kernels/<key>`, the key hashing everything the build reads, so checkouts at other
 paths or revisions never rebuild each other's library; later imports load the cached one.
 
+`NGRAMSPEC_CPU_ISA` picks the tier they are compiled for, so a slower tier can be measured on a
+faster machine: `native` (default: everything this CPU has, AMX included), `amx`, `avx512` (AMX
+left out), `avx2` (x86-64-v3: AVX2, FMA, F16C, no AVX-512, as on AMD Zen 2/3 and most Intel
+client CPUs) or `scalar` (no vector path). A tier this CPU cannot run is refused by name.
+
 torch guards a build with a lock file that a killed build leaves behind, after which every later
 load waits on it forever (tests here hung so, at collection). Builds here are serialised by an
 flock instead, which the kernel drops with its process: holding it, a torch lock file is stale.
@@ -33,7 +38,16 @@ class KernelBuildError(RuntimeError):
     """The native kernels could not be compiled or loaded on this machine."""
 
 
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # -fopenmp: at::parallel_for is inline OpenMP
+_CFLAGS = ["-O3", "-fopenmp"]  # -fopenmp: at::parallel_for is inline OpenMP
+_NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
+# tier -> (its -march flags, the /proc/cpuinfo flags it needs)
+ISA_TIERS: dict[str, tuple[list[str], set[str]]] = {
+    "native": (["-march=native"], set()),
+    "amx": (["-march=native"], {"amx_tile", "amx_bf16", "avx512_bf16"}),
+    "avx512": (["-march=native", *_NO_AMX], {"avx512f"}),
+    "avx2": (["-march=x86-64-v3", "-mtune=native"], {"avx2", "fma", "f16c"}),
+    "scalar": (["-march=x86-64", "-mtune=native"], set()),
+}
 _LDFLAGS = ["-fopenmp"]  # the soname resolves to torch's libgomp
 _LOCK_TIMEOUT_S = 1800.0  # far beyond a build (~1-2 min on 2 cores): only a stuck builder waits this long
 # A build directory nobody loaded for this long (other revisions' sources, an old torch) is
@@ -41,10 +55,35 @@ _LOCK_TIMEOUT_S = 1800.0  # far beyond a build (~1-2 min on 2 cores): only a stu
 _STALE_AFTER_S = 14 * 24 * 3600.0
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:  # not Linux: the tier's own compile is the check
+        return set()
+
+
+def isa_tier() -> str:
+    """The tier `NGRAMSPEC_CPU_ISA` selects ("native" when unset), checked against this CPU. A bad
+    tier is a ValueError, not a build failure: it must stop the run, not fall back to PyTorch."""
+    tier = os.environ.get("NGRAMSPEC_CPU_ISA", "native").strip().lower() or "native"
+    if tier not in ISA_TIERS:
+        raise ValueError(f"NGRAMSPEC_CPU_ISA={tier!r} is not a tier; use one of {', '.join(ISA_TIERS)}")
+    flags = _cpu_flags()
+    missing = ISA_TIERS[tier][1] - flags
+    if flags and missing:
+        raise ValueError(f"NGRAMSPEC_CPU_ISA={tier} needs CPU flags {sorted(missing)} that this CPU lacks")
+    return tier
+
+
+def _cflags() -> list[str]:
+    return [*_CFLAGS, *ISA_TIERS[isa_tier()][0]]
+
+
 def _build_dir() -> Path:
     import torch
 
-    key = hashlib.sha256(f"{torch.__version__} {_CFLAGS} {_LDFLAGS}".encode())
+    key = hashlib.sha256(f"{torch.__version__} {_cflags()} {_LDFLAGS}".encode())
     for source in sorted(Path(__file__).parent.glob("*.[ch]*")):  # the sources and their headers
         key.update(str(source).encode())
         key.update(source.read_bytes())
@@ -82,13 +121,14 @@ def cpu_kernels() -> ModuleType:
     """The compiled kernel module (gguf_linear, gguf_rows, paged_attention, vector_isa)."""
     from torch.utils.cpp_extension import load
 
+    isa_tier()  # a bad NGRAMSPEC_CPU_ISA stops here, before the fallback's except
     try:  # the directory and its lock are part of the build: an unwritable cache falls back too
         directory = _build_dir()
         with _exclusive_build(directory):
             module = load(
                 name="ngramspec_cpu",
                 sources=[str(s) for s in _SOURCES],
-                extra_cflags=_CFLAGS,
+                extra_cflags=_cflags(),
                 extra_ldflags=_LDFLAGS,
                 build_directory=str(directory),
                 verbose=False,
@@ -142,6 +182,9 @@ def kernels_available() -> bool:
 
 
 def kernel_path() -> str:
-    """Which CPU kernels run here, for benchmark reports: "avx512", "avx2", "scalar" (compiled
-    without either vector path), or "none" (no compiler: PyTorch ops)."""
-    return cpu_kernels().vector_isa() if kernels_available() else "none"
+    """Which CPU kernels run here, for benchmark reports: "amx" (AMX tiles for the matrices,
+    AVX-512 for the rest), "avx512", "avx2", "scalar" (compiled without a vector path), or
+    "none" (no compiler: PyTorch ops)."""
+    if not kernels_available():
+        return "none"
+    return "amx" if cpu_kernels().amx_available() else cpu_kernels().vector_isa()

@@ -1,45 +1,59 @@
-// Matrix multiply and row lookup straight from GGUF's block formats (Q4_0, Q4_1, Q8_0).
+// Matrix multiply and row lookup straight from GGUF's block formats (Q4_0, Q4_1, Q5_0, Q5_1,
+// Q8_0, Q4_K, Q5_K, Q6_K).
 //
 // Why: the decode step is bound by streaming weights from memory. SmolLM2-135M's linear weights
-// are 540 MB in fp32 and about 96 MB in the bundled GGUF's Q4_1/Q8_0 blocks, so reading the blocks
-// as they are and dequantising in registers cuts the bytes per step by ~5.6x. torch's own int8/int4
-// weight-only CPU kernels are 4-8x slower than fp32 on this CPU (docs/ARCHITECTURE.md), so we
-// hand-write this one kernel.
+// are 540 MB in fp32 and about 96 MB in 4-bit blocks, so reading the blocks as they are and
+// dequantising in registers cuts the bytes per step by ~5.6x. torch's own int8/int4 weight-only
+// CPU kernels are much slower than fp32 on CPUs (docs/ARCHITECTURE.md), so we hand-write this one.
 //
-// Each output is sum_k x[k] * w[k] with w dequantised to fp32 and accumulated in fp32 in a fixed
-// order (16 lanes, block by block along K, then one lane reduction), whatever the number of rows,
-// the tile shape or the thread that computes it: a row's result is bitwise the same alone or in a
-// batch, which is what keeps speculative verification lossless against plain decoding.
+// Each output is sum_k x[k] * w[k] with w dequantised to fp32 and accumulated in fp32 in one
+// fixed order: 16 lanes, lane i taking k = i, i + 16, i + 32, ... (chunk by chunk along K), then
+// one lane reduction. Every path below keeps that order, whatever the number of rows, the tile
+// shape, the thread or the ISA tier (AVX-512 and AVX2 do the same lane arithmetic), so a row's
+// result is bitwise the same alone or in a batch: what keeps speculative verification lossless.
+//
+// Two paths share the dequantisation (dequant_chunk):
+// - a few rows (a decode, a small draft tree): each 32-weight chunk is dequantised in registers
+//   and used by every row at once;
+// - more rows (prefill, a larger tree, a batch): a group of 8 outputs is dequantised once into
+//   an fp32 panel in cache, then a register-blocked micro-kernel (MR rows x NR outputs, each a
+//   16-lane accumulator) runs every row over it. Dequantising costs ~15 vector ops per 32 weights
+//   and an FMA pass 2-4, so doing it once per panel rather than per row tile is what lets many
+//   rows run near the FMA peak.
 //
 // Layout: the matrix is packed once (GGUFLinear) into groups of 8 output rows whose blocks are
-// interleaved, [N / 8][K / 32][8][block bytes] (rows zero-padded to a multiple of 8), so the
-// 8-output tile that a decode runs reads one contiguous stream. Reading 8 rows' blocks from 8
-// places 612 bytes apart cost 3-4x the time: the 49152-row Q8_0 lm_head of SmolLM2-135M took
-// 1.3-1.6 ms on 2 threads row-major and 0.45 ms packed (same arithmetic, bitwise-equal outputs).
+// interleaved, [N / 8][K / QK][8][block bytes] (rows zero-padded to a multiple of 8), so one
+// group is one contiguous stream (reading 8 rows from 8 places cost 3-4x on the lm_head).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
-
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include <vector>
 
 #include "gguf_blocks.h"
-#include "vec_math.h"
+#include "simd16.h"
 
 namespace {
 
 using ngramspec::block_bytes;
 using ngramspec::block_bytes_of;
-using ngramspec::kBlock;
+using ngramspec::block_weights_of;
+using ngramspec::kChunk;
 using ngramspec::kQ4_0;
 using ngramspec::kQ4_1;
+using ngramspec::kQ4_K;
+using ngramspec::kQ5_0;
+using ngramspec::kQ5_1;
+using ngramspec::kQ5_K;
+using ngramspec::kQ6_K;
 using ngramspec::kQ8_0;
-using ngramspec::q4_offset;
+
+constexpr int64_t kPack = 8;  // output rows whose blocks are interleaved (see the top)
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
@@ -47,235 +61,315 @@ inline float half_to_float(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-// Scalar dequantisation of one block into 32 floats: the reference the vector path matches.
-// Q4_0 is written as d*q + (-8d), the same fused form the vector path uses.
-inline void dequant_block(int64_t qtype, const uint8_t* b, float* out) {
-  if (qtype == kQ8_0) {
-    const float d = half_to_float(b);
-    const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
-    for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(q[i]) * d;
-    return;
-  }
-  const float d = half_to_float(b);
-  const float m = qtype == kQ4_1 ? half_to_float(b + 2) : -8.0f * d;
-  const uint8_t* q = b + q4_offset(qtype);
-  for (int i = 0; i < 16; ++i) {
-    out[i] = std::fma(static_cast<float>(q[i] & 0x0F), d, m);
-    out[i + 16] = std::fma(static_cast<float>(q[i] >> 4), d, m);
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// A K-quant chunk's 6-bit scale and min (ggml's get_scale_min_k4), j in [0, 8).
+inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
   }
 }
 
-constexpr int64_t kPack = 8;  // output rows whose blocks are interleaved (see the top)
+// The per-chunk scalars every path uses, so the scalar and vector dequantisations agree bitwise.
+// Affine types give w = fma(q, d, m); Q5_0, Q8_0 and Q6_K give w = q * d (d2 for Q6_K's second
+// 16 weights), as gguf-py computes them.
+struct ChunkScale {
+  float d, m, d2;
+};
+
+inline ChunkScale chunk_scale(int64_t qtype, const uint8_t* b, int j) {
+  switch (qtype) {
+    case kQ4_0: {
+      const float d = half_to_float(b);
+      return {d, -8.0f * d, 0.0f};
+    }
+    case kQ4_1:
+    case kQ5_1: return {half_to_float(b), half_to_float(b + 2), 0.0f};
+    case kQ4_K:
+    case kQ5_K: {
+      int sc, m;
+      scale_min_k4(j, b + 4, sc, m);
+      return {half_to_float(b) * static_cast<float>(sc), -(half_to_float(b + 2) * static_cast<float>(m)), 0.0f};
+    }
+    case kQ6_K: {
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      const float d = half_to_float(b + 208);
+      return {d * static_cast<float>(sc[2 * j]), 0.0f, d * static_cast<float>(sc[2 * j + 1])};
+    }
+    default: return {half_to_float(b), 0.0f, 0.0f};  // Q5_0, Q8_0
+  }
+}
+
+// Chunk j's 32 integer levels: what dequant_chunk's vector code computes lane by lane.
+inline int level(int64_t qtype, const uint8_t* b, int j, int i) {
+  switch (qtype) {
+    case kQ4_0: return i < 16 ? b[2 + i] & 0xF : b[2 + i - 16] >> 4;
+    case kQ4_1: return i < 16 ? b[4 + i] & 0xF : b[4 + i - 16] >> 4;
+    case kQ5_0:
+    case kQ5_1: {
+      const int off = qtype == kQ5_0 ? 2 : 4;
+      const uint32_t qh = load_u32(b + off);
+      const uint8_t* qs = b + off + 4;
+      const int low = i < 16 ? qs[i] & 0xF : qs[i - 16] >> 4;
+      return (low | (((qh >> i) & 1) << 4)) - (qtype == kQ5_0 ? 16 : 0);
+    }
+    case kQ8_0: return static_cast<int8_t>(b[2 + i]);
+    case kQ4_K: return (b[16 + (j / 2) * 32 + i] >> (4 * (j & 1))) & 0xF;
+    case kQ5_K: return ((b[48 + (j / 2) * 32 + i] >> (4 * (j & 1))) & 0xF) | (((b[16 + i] >> j) & 1) << 4);
+    case kQ6_K: {
+      const int s = j % 4;
+      const int low = (b[(j / 4) * 64 + (s & 1) * 32 + i] >> (4 * (s >> 1))) & 0xF;
+      return (low | (((b[128 + (j / 4) * 32 + i] >> (2 * s)) & 3) << 4)) - 32;
+    }
+    default: return 0;
+  }
+}
+
+inline bool scaled_only(int64_t qtype) { return qtype == kQ5_0 || qtype == kQ8_0 || qtype == kQ6_K; }
+
+// Chunk j (32 weights) of a block, dequantised by scalar code: the reference the vector path
+// matches bitwise, the scalar tier's path, and the embedding lookup's.
+inline void dequant_chunk_scalar(int64_t qtype, const uint8_t* b, int j, float* out) {
+  const ChunkScale s = chunk_scale(qtype, b, j);
+  for (int i = 0; i < 32; ++i) {
+    const float q = static_cast<float>(level(qtype, b, j, i));
+    if (scaled_only(qtype))
+      out[i] = q * (qtype == kQ6_K && i >= 16 ? s.d2 : s.d);
+    else
+      out[i] = std::fma(q, s.d, s.m);
+  }
+}
+
+#if defined(NGRAMSPEC_SIMD16)
+
+namespace simd = ngramspec::simd;
+using simd::F;
+using simd::I;
+
+// Chunk j of a block as two 16-lane vectors: weights 0..15 and 16..31.
+template <int64_t Q>
+inline void dequant_chunk(const uint8_t* b, int j, F& lo, F& hi) {
+  if constexpr (Q == kQ4_0 || Q == kQ4_1) {
+    const ChunkScale s = chunk_scale(Q, b, j);
+    const F d = simd::fset1(s.d), m = simd::fset1(s.m);
+    const I bytes = simd::load_u8(b + ngramspec::q4_offset(Q));  // lane i: weights i and i + 16
+    lo = simd::ffma(simd::to_float(simd::iand(bytes, 0x0F)), d, m);
+    hi = simd::ffma(simd::to_float(simd::isrl(bytes, 4)), d, m);
+  } else if constexpr (Q == kQ5_0 || Q == kQ5_1) {
+    constexpr int off = Q == kQ5_0 ? 2 : 4;
+    const ChunkScale s = chunk_scale(Q, b, j);
+    const I qh = simd::iset1(static_cast<int>(load_u32(b + off)));
+    const I bytes = simd::load_u8(b + off + 4);
+    auto high = [&](int from) { return simd::isll(simd::iand(simd::isrlv(qh, simd::iota(from)), 1), 4); };
+    I qlo = simd::ior(simd::iand(bytes, 0x0F), high(0));
+    I qhi = simd::ior(simd::isrl(bytes, 4), high(16));
+    if constexpr (Q == kQ5_0) {
+      const F d = simd::fset1(s.d);
+      lo = simd::fmul(simd::to_float(simd::isub(qlo, 16)), d);
+      hi = simd::fmul(simd::to_float(simd::isub(qhi, 16)), d);
+    } else {
+      const F d = simd::fset1(s.d), m = simd::fset1(s.m);
+      lo = simd::ffma(simd::to_float(qlo), d, m);
+      hi = simd::ffma(simd::to_float(qhi), d, m);
+    }
+  } else if constexpr (Q == kQ8_0) {
+    const F d = simd::fset1(half_to_float(b));
+    lo = simd::fmul(simd::to_float(simd::load_i8(b + 2)), d);
+    hi = simd::fmul(simd::to_float(simd::load_i8(b + 18)), d);
+  } else if constexpr (Q == kQ4_K || Q == kQ5_K) {
+    const ChunkScale s = chunk_scale(Q, b, j);
+    const F d = simd::fset1(s.d), m = simd::fset1(s.m);
+    const uint8_t* qs = b + (Q == kQ4_K ? 16 : 48) + (j / 2) * 32;
+    const int shift = 4 * (j & 1);
+    I qlo = simd::iand(simd::isrl(simd::load_u8(qs), shift), 0x0F);
+    I qhi = simd::iand(simd::isrl(simd::load_u8(qs + 16), shift), 0x0F);
+    if constexpr (Q == kQ5_K) {
+      qlo = simd::ior(qlo, simd::isll(simd::iand(simd::isrl(simd::load_u8(b + 16), j), 1), 4));
+      qhi = simd::ior(qhi, simd::isll(simd::iand(simd::isrl(simd::load_u8(b + 32), j), 1), 4));
+    }
+    lo = simd::ffma(simd::to_float(qlo), d, m);
+    hi = simd::ffma(simd::to_float(qhi), d, m);
+  } else {  // Q6_K
+    const ChunkScale s = chunk_scale(Q, b, j);
+    const int sub = j % 4, nshift = 4 * (sub >> 1), hshift = 2 * sub;
+    const uint8_t* ql = b + (j / 4) * 64 + (sub & 1) * 32;
+    const uint8_t* qh = b + 128 + (j / 4) * 32;
+    auto levels = [&](int at) {
+      const I low = simd::iand(simd::isrl(simd::load_u8(ql + at), nshift), 0x0F);
+      const I top = simd::isll(simd::iand(simd::isrl(simd::load_u8(qh + at), hshift), 3), 4);
+      return simd::to_float(simd::isub(simd::ior(low, top), 32));
+    };
+    lo = simd::fmul(levels(0), simd::fset1(s.d));
+    hi = simd::fmul(levels(16), simd::fset1(s.d2));
+  }
+}
+
+// A few rows (a decode, a small draft tree): MR rows x NR outputs of one packed group, each chunk
+// dequantised in registers once and used by all MR rows.
+template <int64_t Q, int MR, int NR>
+void fused_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t nblocks, float* out, int64_t ldo,
+                int64_t ncols) {
+  constexpr int64_t bb = block_bytes_of(Q), qk = block_weights_of(Q), chunks = qk / kChunk;
+  F acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR; ++c) acc[r][c] = simd::fzero();
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    for (int c = 0; c < NR; ++c) {
+      const uint8_t* b = w + c * bb + blk * kPack * bb;
+      for (int j = 0; j < chunks; ++j) {
+        F lo, hi;
+        dequant_chunk<Q>(b, j, lo, hi);
+        for (int r = 0; r < MR; ++r) {
+          const float* xk = x + r * ldx + blk * qk + j * kChunk;
+          acc[r][c] = simd::ffma(simd::fload(xk), lo, acc[r][c]);
+          acc[r][c] = simd::ffma(simd::fload(xk + 16), hi, acc[r][c]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR && c < ncols; ++c) out[r * ldo + c] = simd::freduce(acc[r][c]);
+}
+
+// A packed group's 8 outputs dequantised into panel [8][K] (fp32, the same values as fused_tile's).
+template <int64_t Q>
+void dequant_group(const uint8_t* w, int64_t nblocks, int64_t K, float* panel) {
+  constexpr int64_t bb = block_bytes_of(Q), qk = block_weights_of(Q), chunks = qk / kChunk;
+  for (int64_t blk = 0; blk < nblocks; ++blk)
+    for (int64_t c = 0; c < kPack; ++c) {
+      const uint8_t* b = w + (blk * kPack + c) * bb;
+      float* o = panel + c * K + blk * qk;
+      for (int j = 0; j < chunks; ++j) {
+        F lo, hi;
+        dequant_chunk<Q>(b, j, lo, hi);
+        simd::fstore(o + j * kChunk, lo);
+        simd::fstore(o + j * kChunk + 16, hi);
+      }
+    }
+}
+
+// out[MR rows, ncols <= NR] = x[MR, K] . panel[NR, K]^T, each sum in the 16-lane order of the
+// top; accumulators are kHalves native registers each (kLanes floats), x and panel read in place.
+template <int MR, int NR>
+void micro(const float* x, int64_t ldx, const float* panel, int64_t K, float* out, int64_t ldo,
+           int64_t ncols) {
+  using simd::kHalves;
+  using simd::kLanes;
+  simd::Native acc[MR][NR][kHalves];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR; ++c)
+      for (int h = 0; h < kHalves; ++h) acc[r][c][h] = simd::nzero();
+  for (int64_t k = 0; k < K; k += 16) {
+    for (int h = 0; h < kHalves; ++h) {
+      simd::Native wv[NR];
+      for (int c = 0; c < NR; ++c) wv[c] = simd::nload(panel + c * K + k + h * kLanes);
+      for (int r = 0; r < MR; ++r) {
+        const simd::Native xv = simd::nload(x + r * ldx + k + h * kLanes);
+        for (int c = 0; c < NR; ++c) acc[r][c][h] = simd::nfma(xv, wv[c], acc[r][c][h]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR && c < ncols; ++c) out[r * ldo + c] = simd::reduce_native(acc[r][c]);
+}
+
+// Tile shapes by register count. kMR x kNR: the panel micro-kernel. kDecodeNR: one row's
+// outputs. kFusedRows x kFusedNR: the most rows a fused tile takes; up to that many rows are
+// cheaper fused (one dequantisation in registers) than through a panel (stores and reloads).
+#if defined(__AVX512F__)
+constexpr int kMR = 6, kNR = 4, kDecodeNR = 8, kFusedRows = 5, kFusedNR = 4;  // of 32 registers
+#else
+constexpr int kMR = 3, kNR = 2, kDecodeNR = 4, kFusedRows = 6, kFusedNR = 1;  // of 16 registers
+#endif
+
+// micro<rows, NR> for 1 <= rows <= kMR (rows is a run-time count, the tile a compile-time shape).
+template <int NR, int R = kMR>
+void micro_rows(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t K, float* out,
+                int64_t ldo, int64_t ncols) {
+  if constexpr (R > 1) {
+    if (rows < R) return micro_rows<NR, R - 1>(rows, x, ldx, panel, K, out, ldo, ncols);
+  }
+  micro<R, NR>(x, ldx, panel, K, out, ldo, ncols);
+}
+
+// fused_tile<Q, rows, kFusedNR> for 1 <= rows <= kFusedRows.
+template <int64_t Q, int R = kFusedRows>
+void fused_rows(int64_t rows, const float* x, int64_t ldx, const uint8_t* w, int64_t nblocks, float* out,
+                int64_t ldo, int64_t ncols) {
+  if constexpr (R > 1) {
+    if (rows < R) return fused_rows<Q, R - 1>(rows, x, ldx, w, nblocks, out, ldo, ncols);
+  }
+  fused_tile<Q, R, kFusedNR>(x, ldx, w, nblocks, out, ldo, ncols);
+}
+
+// Outputs of packed groups [g0, g1) for all M rows.
+template <int64_t Q>
+void matmul_groups(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* out,
+                   int64_t N, int64_t g0, int64_t g1) {
+  const int64_t nblocks = K / block_weights_of(Q), bb = block_bytes_of(Q);
+  if (M == 1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t c = 0; c < kPack && g * kPack + c < N; c += kDecodeNR)
+        fused_tile<Q, 1, kDecodeNR>(x, K, w + g * kPack * row_bytes + c * bb, nblocks, out + g * kPack + c,
+                                    N, N - g * kPack - c);
+    return;
+  }
+  if (M <= kFusedRows) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t c = 0; c < kPack && g * kPack + c < N; c += kFusedNR)
+        fused_rows<Q>(M, x, K, w + g * kPack * row_bytes + c * bb, nblocks, out + g * kPack + c, N,
+                      N - g * kPack - c);
+    return;
+  }
+  // Rows go in chunks whose activations stay in L2 (~256 KB) while every group of the range
+  // passes over them; each group is dequantised once a chunk.
+  const int64_t chunk_rows = std::max<int64_t>(kMR, (65536 / K) / kMR * kMR);
+  std::vector<float> panel(static_cast<size_t>(kPack * K));
+  for (int64_t m0 = 0; m0 < M; m0 += chunk_rows) {
+    const int64_t m1 = std::min(M, m0 + chunk_rows);
+    for (int64_t g = g0; g < g1; ++g) {
+      dequant_group<Q>(w + g * kPack * row_bytes, nblocks, K, panel.data());
+      const int64_t n = g * kPack, cols = std::min(kPack, N - n);
+      for (int64_t m = m0; m < m1; m += kMR) {
+        const int64_t rows = std::min<int64_t>(kMR, m1 - m);
+        for (int64_t c = 0; c < cols; c += kNR)
+          micro_rows<kNR>(rows, x + m * K, K, panel.data() + c * K, K, out + m * N + n + c, N, cols - c);
+      }
+    }
+  }
+}
+
+#else  // neither AVX-512 nor AVX2: portable scalar path, the same accumulation order
 
 // Where output n's first block lies in the packed layout; its block b is kPack * bb further each.
 inline const uint8_t* packed_row(const uint8_t* w, int64_t row_bytes, int64_t bb, int64_t n) {
   return w + (n / kPack) * kPack * row_bytes + (n % kPack) * bb;
 }
 
-// Rows in the next tile when `left` rows remain and a tile holds at most `most`: the rows split
-// evenly into as few tiles as cover them (each tile dequantises the weights again).
-inline int64_t tile_rows(int64_t left, int64_t most) {
-  const int64_t tiles = (left + most - 1) / most;
-  return (left + tiles - 1) / tiles;
-}
-
-#if defined(__AVX512F__)
-
-// Dequantise one block into two 16-lane vectors: elements 0..15 and 16..31.
 template <int64_t Q>
-inline void dequant(const uint8_t* b, __m512& lo, __m512& hi) {
-  if constexpr (Q == kQ8_0) {
-    const __m512 d = _mm512_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(b)));
-    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
-    const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
-    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
-    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
-  } else {
-    const float df = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b));
-    const float mf = Q == kQ4_1 ? _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 2)) : -8.0f * df;
-    const __m512 d = _mm512_set1_ps(df), m = _mm512_set1_ps(mf);
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + q4_offset(Q)));
-    // One zero-extension of the 16 bytes; lane i then holds element i (low nibble) and i + 16.
-    const __m512i bytes = _mm512_cvtepu8_epi32(raw);
-    const __m512i q0 = _mm512_and_si512(bytes, _mm512_set1_epi32(0x0F));
-    const __m512i q1 = _mm512_srli_epi32(bytes, 4);
-    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), d, m);
-    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), d, m);
-  }
-}
-
-// out[MR rows, NR outputs] = x[MR, K] . w[NR, K]^T for one tile; K = nblocks * 32. In the packed
-// layout output c's block b is at w + c * bb + b * kPack * bb (bb: bytes a block).
-template <int64_t Q, int MR, int NR>
-void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t nblocks, float* out, int64_t ldo) {
-  constexpr int64_t bb = block_bytes_of(Q);
-  __m512 acc[MR][NR];
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t blk = 0; blk < nblocks; ++blk) {
-    __m512 xlo[MR], xhi[MR];
-    for (int r = 0; r < MR; ++r) {
-      xlo[r] = _mm512_loadu_ps(x + r * ldx + blk * kBlock);
-      xhi[r] = _mm512_loadu_ps(x + r * ldx + blk * kBlock + 16);
-    }
-    for (int c = 0; c < NR; ++c) {
-      __m512 wlo, whi;
-      dequant<Q>(w + c * bb + blk * kPack * bb, wlo, whi);
-      for (int r = 0; r < MR; ++r) {
-        acc[r][c] = _mm512_fmadd_ps(xlo[r], wlo, acc[r][c]);
-        acc[r][c] = _mm512_fmadd_ps(xhi[r], whi, acc[r][c]);
-      }
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NR; ++c) out[r * ldo + c] = _mm512_reduce_add_ps(acc[r][c]);
-}
-
-// Outputs [n0, n1) (n0 a multiple of 8) for all M rows: weights stream once, x stays in cache.
-template <int64_t Q>
-void matmul_range(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
-                  float* out, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t nblocks = K / kBlock, bb = block_bytes_of(Q);
-  constexpr int NR4 = 4, NR8 = 8;
-  int64_t n = n0;
-  if (M == 1) {
-    for (; n + NR8 <= n1; n += NR8)
-      tile<Q, 1, NR8>(x, K, packed_row(w, row_bytes, bb, n), nblocks, out + n, N);
-  } else {
-    for (; n + NR4 <= n1; n += NR4) {
-      const uint8_t* wn = packed_row(w, row_bytes, bb, n);
-      // Each row tile dequantises the weights again, so the rows go in as few tiles as the
-      // registers allow (5 rows x 4 outputs: 20 accumulators and 10 row vectors), evenly split.
-      for (int64_t m = 0; m < M;) {
-        const int64_t rows = tile_rows(M - m, 5);
-        const float* xm = x + m * K;
-        float* om = out + m * N + n;
-        switch (rows) {
-          case 5: tile<Q, 5, NR4>(xm, K, wn, nblocks, om, N); break;
-          case 4: tile<Q, 4, NR4>(xm, K, wn, nblocks, om, N); break;
-          case 3: tile<Q, 3, NR4>(xm, K, wn, nblocks, om, N); break;
-          case 2: tile<Q, 2, NR4>(xm, K, wn, nblocks, om, N); break;
-          default: tile<Q, 1, NR4>(xm, K, wn, nblocks, om, N); break;
-        }
-        m += rows;
-      }
-    }
-  }
-  for (; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m)
-      tile<Q, 1, 1>(x + m * K, K, packed_row(w, row_bytes, bb, n), nblocks, out + m * N + n, N);
-}
-
-#elif NGRAMSPEC_AVX2
-
-// AVX2 (+FMA, F16C): the AVX-512 path's arithmetic lane for lane, each 16-lane vector held as
-// two 8-lane halves (ngramspec::V16), so both paths give bitwise the same outputs. With 16
-// registers instead of 32 the tiles are smaller: 4 outputs for a decode row (8 accumulators, 4
-// for a dequantised block, x read from memory), up to 6 rows x 1 output for several rows (more
-// spill: one 8-row tile took 1.12x two 4-row tiles on a Zen 2).
-// Tried and not kept: llama.cpp's int8 activation blocks with integer block dots (maddubs +
-// madd). Plain decode on a 2-core Zen 2 went 12.0 -> 8.8 ms/token, but a verify row cost more
-// relative to it (q = 2: 1.39x -> 1.5-1.7x one token), greedy argmax agreement with float32 fell
-// from 100% to 97.5%, and the demo's cost-sized trees kept almost no drafts.
-using ngramspec::V16;
-
-template <int64_t Q>
-inline void dequant(const uint8_t* b, V16& lo, V16& hi) {
-  if constexpr (Q == kQ8_0) {
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(b)));
-    auto q8 = [&](int off) {
-      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + off));
-      return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), d);
-    };
-    lo = {q8(2), q8(10)};
-    hi = {q8(18), q8(26)};
-  } else {
-    const float df = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b));
-    const float mf = Q == kQ4_1 ? _cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 2)) : -8.0f * df;
-    const __m256 d = _mm256_set1_ps(df), m = _mm256_set1_ps(mf);
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + q4_offset(Q)));
-    const __m256i b0 = _mm256_cvtepu8_epi32(raw);                     // bytes 0..7
-    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8));  // bytes 8..15
-    const __m256i low = _mm256_set1_epi32(0x0F);
-    auto fma = [&](__m256i q) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m); };
-    lo = {fma(_mm256_and_si256(b0, low)), fma(_mm256_and_si256(b1, low))};
-    hi = {fma(_mm256_srli_epi32(b0, 4)), fma(_mm256_srli_epi32(b1, 4))};
-  }
-}
-
-template <int64_t Q, int MR, int NR>
-void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t nblocks, float* out, int64_t ldo) {
-  constexpr int64_t bb = block_bytes_of(Q);
-  V16 acc[MR][NR];
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NR; ++c) acc[r][c] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (int64_t blk = 0; blk < nblocks; ++blk) {
-    for (int c = 0; c < NR; ++c) {
-      V16 wlo, whi;
-      dequant<Q>(w + c * bb + blk * kPack * bb, wlo, whi);
-      for (int r = 0; r < MR; ++r) {
-        const float* xr = x + r * ldx + blk * kBlock;
-        V16& a = acc[r][c];
-        a.a = _mm256_fmadd_ps(_mm256_loadu_ps(xr), wlo.a, a.a);
-        a.b = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), wlo.b, a.b);
-        a.a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), whi.a, a.a);
-        a.b = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), whi.b, a.b);
-      }
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NR; ++c) out[r * ldo + c] = ngramspec::reduce_add16(acc[r][c]);
-}
-
-template <int64_t Q>
-void matmul_range(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
-                  float* out, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t nblocks = K / kBlock, bb = block_bytes_of(Q);
-  constexpr int NR = 4, kMaxRows = 6;
-  int64_t n = n0;
-  if (M == 1) {
-    for (; n + NR <= n1; n += NR)
-      tile<Q, 1, NR>(x, K, packed_row(w, row_bytes, bb, n), nblocks, out + n, N);
-  } else {
-    for (; n < n1; ++n) {
-      const uint8_t* wn = packed_row(w, row_bytes, bb, n);
-      for (int64_t m = 0; m < M;) {  // rows evenly split into as few tiles as the registers allow
-        const int64_t rows = tile_rows(M - m, kMaxRows);
-        const float* xm = x + m * K;
-        float* om = out + m * N + n;
-        switch (rows) {
-          case 6: tile<Q, 6, 1>(xm, K, wn, nblocks, om, N); break;
-          case 5: tile<Q, 5, 1>(xm, K, wn, nblocks, om, N); break;
-          case 4: tile<Q, 4, 1>(xm, K, wn, nblocks, om, N); break;
-          case 3: tile<Q, 3, 1>(xm, K, wn, nblocks, om, N); break;
-          case 2: tile<Q, 2, 1>(xm, K, wn, nblocks, om, N); break;
-          default: tile<Q, 1, 1>(xm, K, wn, nblocks, om, N); break;
-        }
-        m += rows;
-      }
-    }
-  }
-  for (; n < n1; ++n)
-    tile<Q, 1, 1>(x, K, packed_row(w, row_bytes, bb, n), nblocks, out + n, N);
-}
-
-#else  // neither AVX-512 nor AVX2: portable scalar path, same accumulation shape (16 lanes, then reduce)
-
-template <int64_t Q>
-void matmul_range(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
-                  float* out, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t nblocks = K / kBlock, bb = block_bytes(Q);
+void matmul_groups(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* out,
+                   int64_t N, int64_t g0, int64_t g1) {
+  const int64_t bb = block_bytes(Q), qk = block_weights_of(Q), nblocks = K / qk;
   float deq[32];
-  for (int64_t n = n0; n < n1; ++n) {
+  for (int64_t n = g0 * kPack; n < std::min(N, g1 * kPack); ++n) {
     const uint8_t* wn = packed_row(w, row_bytes, bb, n);
     for (int64_t m = 0; m < M; ++m) {
       float lanes[16] = {0};
-      for (int64_t blk = 0; blk < nblocks; ++blk) {
-        dequant_block(Q, wn + blk * kPack * bb, deq);
-        const float* xb = x + m * K + blk * kBlock;
-        for (int i = 0; i < 16; ++i) lanes[i] = std::fma(xb[i], deq[i], lanes[i]);
-        for (int i = 0; i < 16; ++i) lanes[i] = std::fma(xb[16 + i], deq[16 + i], lanes[i]);
-      }
+      for (int64_t blk = 0; blk < nblocks; ++blk)
+        for (int j = 0; j < qk / kChunk; ++j) {
+          dequant_chunk_scalar(Q, wn + blk * kPack * bb, j, deq);
+          const float* xb = x + m * K + blk * qk + j * kChunk;
+          for (int i = 0; i < 16; ++i) lanes[i] = std::fma(xb[i], deq[i], lanes[i]);
+          for (int i = 0; i < 16; ++i) lanes[i] = std::fma(xb[16 + i], deq[16 + i], lanes[i]);
+        }
       float s = 0;
       for (int i = 0; i < 16; ++i) s += lanes[i];
       out[m * N + n] = s;
@@ -289,9 +383,10 @@ void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K) {  // either
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 2 &&
                   w.is_contiguous(),
               "GGUF weight must be a contiguous CPU uint8 tensor [N, row_bytes]");
-  TORCH_CHECK(K % kBlock == 0, "GGUF row length ", K, " is not a multiple of 32");
-  TORCH_CHECK(w.size(1) == K / kBlock * block_bytes(qtype), "GGUF weight has ", w.size(1),
-              " bytes a row; type ", qtype, " with K=", K, " needs ", K / kBlock * block_bytes(qtype));
+  const int64_t bb = block_bytes(qtype), qk = block_weights_of(qtype);
+  TORCH_CHECK(K % qk == 0, "GGUF row length ", K, " is not a multiple of ", qk, " (type ", qtype, ")");
+  TORCH_CHECK(w.size(1) == K / qk * bb, "GGUF weight has ", w.size(1), " bytes a row; type ", qtype,
+              " with K=", K, " needs ", K / qk * bb);
 }
 
 }  // namespace
@@ -299,7 +394,8 @@ void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K) {  // either
 // GGUF blocks [N, row_bytes] -> the packed layout [ceil(N / 8) * 8, row_bytes] (see the top).
 torch::Tensor gguf_pack(const torch::Tensor& w, int64_t qtype, int64_t K) {
   check_weight(w, qtype, K);
-  const int64_t N = w.size(0), groups = (N + kPack - 1) / kPack, nb = K / kBlock, bb = block_bytes(qtype);
+  const int64_t N = w.size(0), groups = (N + kPack - 1) / kPack, bb = block_bytes(qtype);
+  const int64_t nb = K / block_weights_of(qtype);
   torch::Tensor padded = torch::zeros({groups * kPack, w.size(1)}, w.options());
   padded.narrow(0, 0, N).copy_(w);
   return padded.view({groups, kPack, nb, bb}).transpose(1, 2).contiguous().view({groups * kPack, w.size(1)});
@@ -324,11 +420,18 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& w, int64_
   // Whole packed groups per task, so every thread runs the same tile shapes.
   const int64_t groups = (N + kPack - 1) / kPack;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    const int64_t n0 = g0 * kPack, n1 = std::min(N, g1 * kPack);
     switch (qtype) {
-      case kQ4_0: matmul_range<kQ4_0>(xp, M, K, wp, row_bytes, op, N, n0, n1); break;
-      case kQ4_1: matmul_range<kQ4_1>(xp, M, K, wp, row_bytes, op, N, n0, n1); break;
-      case kQ8_0: matmul_range<kQ8_0>(xp, M, K, wp, row_bytes, op, N, n0, n1); break;
+#define NGRAMSPEC_CASE(Q) \
+  case Q: matmul_groups<Q>(xp, M, K, wp, row_bytes, op, N, g0, g1); break;
+      NGRAMSPEC_CASE(kQ4_0)
+      NGRAMSPEC_CASE(kQ4_1)
+      NGRAMSPEC_CASE(kQ5_0)
+      NGRAMSPEC_CASE(kQ5_1)
+      NGRAMSPEC_CASE(kQ8_0)
+      NGRAMSPEC_CASE(kQ4_K)
+      NGRAMSPEC_CASE(kQ5_K)
+      NGRAMSPEC_CASE(kQ6_K)
+#undef NGRAMSPEC_CASE
       default: break;  // rejected by check_weight
     }
   });
@@ -341,14 +444,15 @@ torch::Tensor gguf_rows(const torch::Tensor& w, const torch::Tensor& ids, int64_
   check_weight(w, qtype, K);
   TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 1, "gguf_rows: ids must be 1-D int64");
   const torch::Tensor idc = ids.contiguous().cpu();
-  const int64_t T = idc.size(0), V = w.size(0), nblocks = K / kBlock, bb = block_bytes(qtype);
+  const int64_t T = idc.size(0), V = w.size(0), bb = block_bytes(qtype), qk = block_weights_of(qtype);
   torch::Tensor out = torch::empty({T, K}, torch::dtype(torch::kFloat32));
   const int64_t* ip = idc.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(ip[t] >= 0 && ip[t] < V, "token id ", ip[t], " out of range [0, ", V, ")");
     const uint8_t* row = w.data_ptr<uint8_t>() + ip[t] * w.size(1);
     float* o = out.data_ptr<float>() + t * K;
-    for (int64_t blk = 0; blk < nblocks; ++blk) dequant_block(qtype, row + blk * bb, o + blk * kBlock);
+    for (int64_t blk = 0; blk < K / qk; ++blk)
+      for (int j = 0; j < qk / kChunk; ++j) dequant_chunk_scalar(qtype, row + blk * bb, j, o + blk * qk + j * kChunk);
   }
   return out;
 }

@@ -1,4 +1,5 @@
-"""Linear and embedding layers that keep their weights in GGUF's Q4_0 / Q4_1 / Q8_0 blocks.
+"""Linear and embedding layers that keep their weights in GGUF's blocks (Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0, Q4_K, Q5_K, Q6_K: what Q4_K_M, Q5_K_M, Q4_0 and Q8_0 files hold).
 
 The blocks are the GGUF file's own bytes (rows only permuted where llama.cpp permuted q/k),
 dequantised in registers with fp32 accumulation. Both kernels compute each row of a batch exactly
@@ -15,9 +16,11 @@ from torch import nn
 
 from ngramspec.kernels import cpu_kernels
 
-# ggml type ids the kernel runs (gguf.GGMLQuantizationType values) -> bytes per 32-weight block
-KERNEL_TYPES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0
-TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+# ggml type ids the kernel runs (gguf.GGMLQuantizationType values) -> (weights, bytes) a block
+KERNEL_TYPES = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
+                12: (256, 144), 13: (256, 176), 14: (256, 210)}
+TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+AMX_TYPES = {2, 3, 8}  # the types amx_linear.cpp re-orders into tiles
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,9 +34,10 @@ class GGUFWeight:
     def __post_init__(self) -> None:
         if self.qtype not in KERNEL_TYPES:
             raise ValueError(f"GGUF type {self.qtype} has no kernel (have {sorted(TYPE_NAMES.values())})")
-        if self.in_features % 32 or self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2:
-            raise ValueError("GGUF blocks must be uint8 [out, in / 32 * block_bytes], in % 32 == 0")
-        if self.blocks.shape[1] != self.in_features // 32 * KERNEL_TYPES[self.qtype]:
+        size, nbytes = KERNEL_TYPES[self.qtype]
+        if self.in_features % size or self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2:
+            raise ValueError(f"GGUF blocks must be uint8 [out, in / {size} * block_bytes], in % {size} == 0")
+        if self.blocks.shape[1] != self.in_features // size * nbytes:
             raise ValueError(f"GGUF blocks of shape {tuple(self.blocks.shape)} do not hold "
                              f"{self.in_features} {TYPE_NAMES[self.qtype]} weights a row")
 
@@ -50,10 +54,10 @@ class GGUFWeight:
 
 
 class GGUFLinear(nn.Module):
-    """On a CPU with AMX (bf16 tiles) the blocks are re-ordered once into AMX tiles and 1 to 16
-    rows cost about the same (`amx_linear.cpp`: activations rounded to bf16, fp32 sums); else
-    the AVX-512 kernel runs them packed in groups of 8 rows with interleaved blocks, the same bits
-    (`gguf_kernels.cpp`: fp32 throughout)."""
+    """On a CPU with AMX (bf16 tiles) Q4_0 / Q4_1 / Q8_0 blocks are re-ordered once into AMX tiles
+    and 1 to 16 rows cost about the same (`amx_linear.cpp`: activations rounded to bf16, fp32
+    sums); else the vector kernel runs them packed in groups of 8 rows with interleaved blocks,
+    the same bits (`gguf_kernels.cpp`: fp32 throughout)."""
 
     def __init__(self, weight: GGUFWeight, bias: torch.Tensor | None = None,
                  use_amx: bool | None = None) -> None:
@@ -63,7 +67,7 @@ class GGUFLinear(nn.Module):
         self._kernels = cpu_kernels()
         if use_amx is None:
             use_amx = self._kernels.amx_available()
-        self.uses_amx = use_amx and self.out_features % 16 == 0
+        self.uses_amx = use_amx and self.out_features % 16 == 0 and self.qtype in AMX_TYPES
         blocks = weight.blocks.contiguous()
         if self.uses_amx:
             blocks = self._kernels.amx_pack(blocks, self.qtype, self.in_features)
@@ -78,7 +82,7 @@ class GGUFLinear(nn.Module):
         return self._kernels.gguf_linear(x, self.blocks, self.qtype, self.out_features, self.bias)
 
     def extra_repr(self) -> str:
-        kernel = "amx" if self.uses_amx else "avx512"
+        kernel = "amx" if self.uses_amx else self._kernels.vector_isa()
         return f"{self.in_features}, {self.out_features}, {TYPE_NAMES[self.qtype]}, {kernel}"
 
 
