@@ -41,7 +41,7 @@ def register_bench(sub: Any) -> None:
 
     corpus_bench.register_bench(sub)
     for name in ("engine_bench", "speed_bench", "serve_bench", "quality_bench", "context_bench",
-                 "llamacpp_bench"):
+                 "llamacpp_bench", "llama_server_bench"):
         if importlib.util.find_spec(f"ngramspec.bench.{name}") is not None:
             importlib.import_module(f"ngramspec.bench.{name}").register(sub)
 

@@ -227,3 +227,15 @@ def test_mixed_block_types_run_one_kernel_per_matrix_and_stay_lossless(tiny_gguf
     for prompt in prompts:
         assert spec.generate(prompt, params)[0].token_ids == plain.generate(prompt, params)[0].token_ids
     assert spec.engine.stats.num_accepted_tokens > 0
+    if plain.engine.runner.model.stack is None:
+        assert cpu_kernels().amx_available()  # only AMX tiles keep the Python layers here
+        return
+    # the decoder stack calls a mixed matrix's pieces as GGUFStack does: bitwise the same
+    runs = []
+    for layers in (model.stack, None):
+        model.stack = layers
+        plain.engine.scheduler.flush_cache()
+        outs = plain.generate(prompts, SamplingParams(temperature=0, max_tokens=8, logprobs=3,
+                                                      prompt_logprobs=3))
+        runs.append([(o.token_ids, o.logprobs, o.prompt_logprobs) for o in outs])
+    assert runs[0] == runs[1]

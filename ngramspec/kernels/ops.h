@@ -26,7 +26,7 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up);
 std::vector<torch::Tensor> decoder_stack(
     torch::Tensor x, const std::vector<torch::Tensor>& norms, const std::vector<torch::Tensor>& blocks,
     const std::vector<int64_t>& qtypes, const std::vector<int64_t>& outputs,
-    const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& cos,
+    const std::vector<int64_t>& parts, const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& cos,
     const torch::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
     const torch::Tensor& slot_mapping, const torch::Tensor& seq_offsets, const torch::Tensor& prefix,
     const torch::Tensor& prefix_offsets, const torch::Tensor& local,

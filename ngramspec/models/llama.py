@@ -210,14 +210,17 @@ class LlamaForCausalLM(nn.Module):
 
 class DecoderStack:
     """The arguments of `decoder_stack` (kernels/decoder_stack.cpp) for one model, gathered once:
-    each layer's norm weights and packed GGUF matrices (qkv, o, gate_up, down)."""
+    each layer's norm weights and packed GGUF matrices (qkv, o, gate_up, down), each matrix one
+    GGUFLinear or the pieces of a GGUFStack."""
 
     def __init__(self, model: LlamaForCausalLM, ops: ModuleType) -> None:
         cfg = model.cfg
         self._ops = ops
         self.norms = [w for layer in model.layers for w in (
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
-        linears = [m for layer in model.layers for m in _matrices(layer)]
+        matrices = [m for layer in model.layers for m in _matrices(layer)]
+        self.parts = [len(_pieces(m)) for m in matrices]
+        linears = [piece for m in matrices for piece in _pieces(m)]
         self.blocks = [m.blocks for m in linears]
         self.qtypes = [m.qtype for m in linears]
         self.outputs = [m.out_features for m in linears]
@@ -243,7 +246,7 @@ class DecoderStack:
         cos, sin = rotary
         heads, kv_heads, head_dim, eps = self.shape
         return tuple(self._ops.decoder_stack(
-            x, self.norms, self.blocks, self.qtypes, self.outputs, cache.k, cache.v,
+            x, self.norms, self.blocks, self.qtypes, self.outputs, self.parts, cache.k, cache.v,
             cos.view(t, -1), sin.view(t, -1), heads, kv_heads, head_dim, eps, meta.slot_mapping,
             p.seq_offsets, p.prefix, p.prefix_offsets, p.local, p.local_offsets, p.causal,
             self.scale))
@@ -255,15 +258,22 @@ def _matrices(layer: DecoderLayer) -> tuple[nn.Module, ...]:
             layer.mlp.down_proj)
 
 
+def _pieces(matrix: nn.Module) -> list[nn.Module]:
+    """A matrix's kernel calls: itself, or a GGUFStack's parts (outputs side by side)."""
+    from ngramspec.layers.gguf_linear import GGUFStack
+
+    return list(matrix.parts) if isinstance(matrix, GGUFStack) else [matrix]
+
+
 def _layer_fits(layer: DecoderLayer, eps: float) -> bool:
     """Whether the stack's calls are this layer's: fused CPU ops everywhere, one rank, no q/k
-    norm, and GGUF matrices on the vector kernels (not AMX tiles) without bias."""
+    norm, and GGUF matrices (or stacks of them) on the vector kernels (not AMX tiles) without bias."""
     from ngramspec.layers.gguf_linear import GGUFLinear
 
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     return (all(isinstance(m, GGUFLinear) and not m.uses_amx and m.bias is None
-                for m in _matrices(layer))
+                for matrix in _matrices(layer) for m in _pieces(matrix))
             and attn.q_norm is None and attn.ops is not None and mlp.ops is not None
             and attn.all_reduce is None and mlp.all_reduce is None
             and all(n.ops is not None and n.eps == eps for n in norms))

@@ -4,6 +4,12 @@ LLMEngine is not thread-safe, so only the engine thread touches it. The event lo
 (add, abort, call) through a `queue.Queue`; the engine thread answers with
 `loop.call_soon_threadsafe`, so futures and per-request asyncio queues are only ever touched on
 the event loop.
+
+`AsyncEngine.build` constructs the engine on the thread that will step it. OpenMP keeps a worker
+team per thread that runs parallel regions; with the loading thread's team still alive, libgomp
+counts more threads than cores and its workers sleep after ~100 spins instead of waiting hot, so
+every kernel of a step pays a wake-up (a decode step ran ~1.3x slower on 2 cores). One thread
+doing all of the model's work keeps one team.
 """
 
 from __future__ import annotations
@@ -106,13 +112,46 @@ class AsyncEngine:
         self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}  # event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._go: threading.Event | None = None  # set by start() when `build` made the thread
         self.snapshot = self._snapshot()
         self.accepting = True
         self.failures = 0  # engine steps that raised
 
+    @classmethod
+    def build(cls, factory: Callable[[], LLMEngine],
+              on_step: Callable[[LLMEngine, list[StepOutput]], None] | None = None) -> AsyncEngine:
+        """Run `factory` on a new thread, which then waits for `start()` and steps the engine it
+        built (see the module docstring). Raises what `factory` raises."""
+        built: queue.SimpleQueue[AsyncEngine | BaseException] = queue.SimpleQueue()
+        go = threading.Event()
+
+        def main() -> None:
+            try:
+                bridge = cls(factory(), on_step)
+            except BaseException as e:  # handed to the caller
+                built.put(e)
+                return
+            bridge._go = go
+            built.put(bridge)
+            go.wait()
+            if bridge._loop is not None:  # else stopped before it started
+                bridge._run()
+
+        thread = threading.Thread(target=main, name="engine", daemon=True)
+        thread.start()
+        result = built.get()
+        if isinstance(result, BaseException):
+            thread.join()
+            raise result
+        result._thread = thread
+        return result
+
     # ---- event-loop side ----------------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        if self._go is not None:  # the thread that built the engine steps it
+            self._go.set()
+            return
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
@@ -186,6 +225,8 @@ class AsyncEngine:
         self.accepting = False
         if self._thread is None:
             return
+        if self._go is not None and not self._go.is_set():  # built, never started
+            self._go.set()
         self._commands.put(("stop", None, None))
         await asyncio.to_thread(self._thread.join)
         self._thread = None

@@ -114,16 +114,22 @@ def served_model_name(config: EngineConfig, settings: ServerSettings) -> str:
 def build_state(config: EngineConfig, settings: ServerSettings) -> ServerState:
     """Load the engine, corpora and the learned corpus; slow (seconds), call before serving."""
     corpora = ExternalCorpora(config.drafter.external_corpus_max_tokens, progress=False)
-    engine = LLMEngine(config, corpora)  # the drafter reads corpora's snapshots: add any time
+
+    def make_engine() -> LLMEngine:  # on the engine thread (AsyncEngine.build)
+        engine = LLMEngine(config, corpora)  # the drafter reads corpora's snapshots: add any time
+        if settings.corpus_state and Path(settings.corpus_state).is_file():
+            restore_learned(engine, Path(settings.corpus_state))
+        return engine
+
+    metrics = ServerMetrics(max_acceptance_length=config.drafter.draft_token_num)
+    bridge = AsyncEngine.build(make_engine, metrics.on_step)
+    engine = bridge.engine  # read-only here: its thread waits for start()
     # One tokenizer per thread that uses one (copies are cheap, loading is not).
     corpus_tokenizer = copy.deepcopy(engine.tokenizer)
     for path in settings.corpus_files:
         size = load_corpus_path(corpora, Path(path).stem, [Path(path)], corpus_tokenizer)
         log.info("corpus %s: %d tokens", Path(path).stem, size)
-    if settings.corpus_state and Path(settings.corpus_state).is_file():
-        restore_learned(engine, Path(settings.corpus_state))
-    metrics = ServerMetrics(max_acceptance_length=config.drafter.draft_token_num)
-    return ServerState(settings, AsyncEngine(engine, metrics.on_step),
+    return ServerState(settings, bridge,
                        copy.deepcopy(engine.tokenizer), Encoder(copy.deepcopy(engine.tokenizer)),
                        corpora, corpus_tokenizer, metrics, served_model_name(config, settings),
                        engine.max_model_len, engine.model_cfg.vocab_size)
