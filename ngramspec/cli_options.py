@@ -17,8 +17,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf"],
-                   help="gguf: run a GGUF model's Q4_0/Q4_1/Q8_0 blocks with the native CPU "
-                        "kernels (float32 activations); none: dequantise to --dtype; auto "
+                   help="gguf: run a GGUF model's block-quantised matrices (Q4_0 ... Q8_0, "
+                        "Q4_K/Q5_K/Q6_K) with the native CPU kernels (float32 activations); none: dequantise to --dtype; auto "
                         "(default): gguf for a GGUF model on the CPU unless --dtype is given")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="K/V storage (auto: the activations' dtype; bfloat16 with --quantization gguf)")

@@ -18,8 +18,9 @@ class EngineConfig:
     model: str | None = None  # GGUF file or HF directory; None = bundled SmolLM2-135M-Instruct
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
-    # "gguf": keep a GGUF model's Q4_0/Q4_1/Q8_0 matrices in their blocks and run them with the
-    # native CPU kernels (float32 activations); "none": dequantise every weight to `dtype`;
+    # "gguf": keep a GGUF model's block-quantised matrices (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/
+    # Q6_K) as they are and run them with the native CPU kernels (float32 activations); "none":
+    # dequantise every weight to `dtype`;
     # "auto": "gguf" for a GGUF model on the CPU when dtype is "auto", else "none".
     quantization: Literal["auto", "none", "gguf"] = "auto"
     # K/V storage: "auto" = the activations' dtype, except bfloat16 for quantization="gguf" (half

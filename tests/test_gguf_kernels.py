@@ -13,7 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ngramspec.kernels import cpu_kernels
-from ngramspec.layers.gguf_linear import AMX_TYPES, KERNEL_TYPES, GGUFEmbedding, GGUFLinear, GGUFWeight
+from ngramspec.layers.gguf_linear import (
+    AMX_TYPES,
+    KERNEL_TYPES,
+    GGUFEmbedding,
+    GGUFLinear,
+    GGUFWeight,
+)
 
 Q = gguf.GGMLQuantizationType
 LEGACY = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]

@@ -364,6 +364,45 @@ def test_async_engine_streams_in_order_and_only_the_engine_thread_touches_it() -
     assert engine.threads == {"engine"}
 
 
+def test_a_built_engine_is_made_and_stepped_on_one_thread() -> None:
+    """AsyncEngine.build runs the factory on the thread that later steps the engine (one OpenMP
+    team in the process), hands on the factory's error, and stops cleanly if never started."""
+    import threading
+
+    from ngramspec.sampling_params import SamplingParams
+    from ngramspec.server.async_engine import AsyncEngine
+
+    made_on = []
+
+    def factory():
+        made_on.append(threading.get_ident())
+        return _ScriptedEngine()
+
+    async def main():
+        bridge = AsyncEngine.build(factory)  # type: ignore[arg-type]
+        bridge.start()
+        try:
+            stream = await bridge.add("r", [1, 2], SamplingParams(max_tokens=2))
+            tokens = [t async for e in stream.events() for t in e.token_ids]
+            stepped_on = await bridge.call(lambda e: threading.get_ident())
+        finally:
+            await bridge.stop()
+        return bridge, tokens, stepped_on
+
+    bridge, tokens, stepped_on = asyncio.run(main())
+    assert tokens == [100, 101] and made_on == [stepped_on] != [threading.get_ident()]
+    assert bridge.engine.threads == {"engine"} and not bridge.running
+
+    def broken():
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine.build(broken)  # type: ignore[arg-type]
+    idle = AsyncEngine.build(factory)  # type: ignore[arg-type]
+    asyncio.run(asyncio.wait_for(idle.stop(), 10))  # never started: its thread still ends
+    assert not idle.running
+
+
 def test_async_engine_close_aborts_and_a_failed_step_fails_every_request() -> None:
     from ngramspec.sampling_params import SamplingParams
 

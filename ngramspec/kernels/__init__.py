@@ -1,8 +1,8 @@
 """Native CPU kernels, compiled on first use with the machine's C++ compiler and cached.
 
-`gguf_kernels.cpp` multiplies by weights kept in GGUF's Q4_0/Q4_1/Q8_0 blocks; `attention.cpp`
-attends over the KV cache in place (prefix + visible query tokens per token). They are built with
-torch's extension builder (ninja + the system g++) for the CPU it runs on (-march=native) into
+`gguf_kernels.cpp` multiplies by weights kept in GGUF's blocks (Q4_0 ... Q8_0, Q4_K/Q5_K/Q6_K);
+`attention.cpp` attends over the KV cache in place (prefix + visible query tokens per token). They
+are built with torch's extension builder (ninja + the system g++) for the CPU it runs on into
 `<ngramspec cache>/kernels/<key>`, the key hashing everything the build reads, so checkouts at other
 paths or revisions never rebuild each other's library; later imports load the cached one.
 

@@ -209,7 +209,7 @@ def convert_gguf(path: Path, out: Path) -> None:
 
 
 def load_gguf_weights(path: Path, num_heads: int, num_kv_heads: int) -> dict:
-    """The GGUF's matrices that a block kernel runs (Q4_0, Q4_1, Q8_0), as they are in the file,
+    """The GGUF's matrices that a block kernel runs (`KERNEL_TYPES`), as they are in the file,
     by HF name: {name: GGUFWeight}. Other tensors (norms, unsupported types) come from the
     dequantised state dict instead. q/k rows are un-permuted as `convert_gguf` does them."""
     from ngramspec.layers.gguf_linear import KERNEL_TYPES, GGUFWeight

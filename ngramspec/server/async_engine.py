@@ -128,7 +128,7 @@ class AsyncEngine:
         def main() -> None:
             try:
                 bridge = cls(factory(), on_step)
-            except BaseException as e:  # handed to the caller
+            except BaseException as e:  # noqa: BLE001 (handed to the caller, who re-raises it)
                 built.put(e)
                 return
             bridge._go = go
