@@ -1,0 +1,71 @@
+"""bench llama-server's harness against a stand-in llama-server: servers started and stopped,
+every prompt sent to each, tok/s and the equal-to-plain counts per workload."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from ngramspec.bench import llama_server_bench as bench
+
+# A stand-in for llama-server: /health, /v1/models, and /v1/completions answering greedy-like
+# text that depends on the prompt, except that its --spec-type ngram-simple mode changes it.
+FAKE = r'''
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+simple = "ngram-simple" in args
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def _send(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200); self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
+    def do_GET(self):
+        self._send({"status": "ok"} if self.path == "/health" else {"data": [{"id": "fake"}]})
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert req["model"] == "fake" and req["temperature"] == 0.0
+        text = "x" * (sum(req["prompt"]) % 7) + ("!" if simple else "")
+        self._send({"choices": [{"text": text}], "usage": {"completion_tokens": req["max_tokens"]}})
+HTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+def test_the_harness_times_every_server_and_counts_equal_outputs(tmp_path: Path, monkeypatch) -> None:
+    fake = tmp_path / "llama-server"
+    fake.write_text(f"#!{sys.executable}\n{FAKE}")
+    fake.chmod(0o755)
+    prompts = [bench.BenchPrompt(f"p{i}", "chat", f"question {i}") for i in range(3)]
+    monkeypatch.setattr(bench, "workload_prompts", lambda name, limit: prompts[:limit])
+    args = argparse.Namespace(model=None, llama_server=str(fake), workloads=["chat", "summarize"],
+                              modes=["ngram-mod", "ngram-simple"], limit=2, max_tokens=5, threads=2,
+                              isa=None, start_timeout=60.0, log_dir=str(tmp_path / "logs"), json=True)
+    r = bench.run(args)
+    assert set(r["workloads"]) == {"chat", "summarize"}
+    for row in r["workloads"].values():
+        assert row["num_prompts"] == 2
+        assert set(row["tok_s"]) == {"llama plain", "llama ngram-mod", "llama ngram-simple"}
+        assert all(v > 0 for v in row["tok_s"].values())
+        assert row["equal_to_plain"] == {"llama ngram-mod": 2, "llama ngram-simple": 0}
+    assert set(r["all"]) == set(r["workloads"]["chat"]["tok_s"])
+    json.dumps(r)  # the --json output
+
+
+def test_servers_are_composed_from_the_modes(tmp_path: Path) -> None:
+    fake = tmp_path / "llama-server"
+    pool = bench.servers(Path("m.gguf"), fake, 3, ["plain", "spec", "ngram-map-k"], "avx2")
+    assert [s.name for s in pool] == ["ngramspec plain", "ngramspec spec", "llama plain",
+                                      "llama ngram-map-k"]
+    assert pool[0].env == {"NGRAMSPEC_CPU_ISA": "avx2"}
+    assert pool[1].argv[pool[1].argv.index("--speculative") + 1] == "ngram"
+    assert pool[3].argv[-2:] == ["--spec-type", "ngram-map-k"] and "-t" in pool[3].argv
+    assert len({s.port for s in pool}) == 4
+    assert [s.name for s in bench.servers(Path("m.gguf"), None, 2, ["spec"], None)] == ["ngramspec spec"]
+    with pytest.raises(ValueError, match="unknown workload"):
+        bench.workload_prompts("poetry", 1)
