@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 from ngramspec.kernels import cpu_kernels
 from ngramspec.layers.gguf_linear import (
     AMX_TYPES,
-    KERNEL_TYPES,
     GGUFEmbedding,
     GGUFLinear,
     GGUFWeight,
@@ -34,7 +33,7 @@ def _blocks(qtype, out_features: int, in_features: int, seed: int) -> np.ndarray
     rng = np.random.default_rng(seed)
     if qtype in LEGACY:
         return quantize(rng.standard_normal((out_features, in_features)).astype(np.float32), qtype)
-    size, nbytes = KERNEL_TYPES[int(qtype)]
+    size, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (out_features, in_features // size, nbytes), dtype=np.uint8)
     for at in _HALF_FIELDS[qtype]:
         scale = (rng.standard_normal((out_features, in_features // size, 1)) * 0.01).astype(np.float16)

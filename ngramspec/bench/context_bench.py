@@ -72,7 +72,8 @@ def print_results(r: dict[str, Any]) -> None:
 
     table = Table(title="prefill tok/s, plain decode ms/token and verify cost (q tokens / 1 token) "
                         f"by context, CPU kernels: {r['kernels']}")
-    for col in ("mode", "context", "prefill tok/s", "decode ms/token", *(f"q={q}" for q in QUERY_TOKENS[1:])):
+    columns = ("mode", "context", "prefill tok/s", "decode ms/token", *(f"q={q}" for q in QUERY_TOKENS[1:]))
+    for col in columns:
         table.add_column(col, justify="right")
     for mode, rows in r["modes"].items():
         for ctx, row in rows.items():

@@ -27,8 +27,9 @@ constexpr int64_t kMatrices = 4;  // per layer: qkv, o, gate_up, down
 std::vector<torch::Tensor> decoder_stack(
     torch::Tensor x, const std::vector<torch::Tensor>& norms, const std::vector<torch::Tensor>& blocks,
     const std::vector<int64_t>& qtypes, const std::vector<int64_t>& outputs,
-    const std::vector<int64_t>& parts, const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& cos,
-    const torch::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
+    const std::vector<int64_t>& parts, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+    const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads, int64_t kv_heads,
+    int64_t head_dim, double eps,
     const torch::Tensor& slot_mapping, const torch::Tensor& seq_offsets, const torch::Tensor& prefix,
     const torch::Tensor& prefix_offsets, const torch::Tensor& local,
     const torch::Tensor& local_offsets, const torch::Tensor& causal, double scale) {
@@ -47,10 +48,10 @@ std::vector<torch::Tensor> decoder_stack(
   const int64_t t = x.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   const c10::optional<torch::Tensor> no_bias;
   auto linear = [&](const torch::Tensor& in, int64_t m) {  // as GGUFLinear / GGUFStack
-    if (parts[m] == 1) return gguf_linear(in, blocks[first[m]], qtypes[first[m]], outputs[first[m]], no_bias);
     std::vector<torch::Tensor> outs;
-    for (int64_t i = first[m]; i < first[m + 1]; ++i) outs.push_back(gguf_linear(in, blocks[i], qtypes[i], outputs[i], no_bias));
-    return torch::cat(outs, 1);
+    for (int64_t i = first[m]; i < first[m + 1]; ++i)
+      outs.push_back(gguf_linear(in, blocks[i], qtypes[i], outputs[i], no_bias));
+    return outs.size() == 1 ? outs[0] : torch::cat(outs, 1);
   };
   torch::Tensor residual = x;  // the embeddings; updated in place from the first add on
   torch::Tensor h;

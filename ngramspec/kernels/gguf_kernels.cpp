@@ -17,13 +17,13 @@
 //   and used by every row at once;
 // - more rows (prefill, a larger tree, a batch): a group of 8 outputs is dequantised once into
 //   an fp32 panel in cache, then a register-blocked micro-kernel (MR rows x NR outputs, each a
-//   16-lane accumulator) runs every row over it. Dequantising costs ~15 vector ops per 32 weights
-//   and an FMA pass 2-4, so doing it once per panel rather than per row tile is what lets many
-//   rows run near the FMA peak.
+//   16-lane accumulator) runs every row over it. Dequantising costs several times an FMA pass,
+//   so doing it once per panel rather than per row tile is what lets many rows run near the FMA
+//   peak.
 //
 // Layout: the matrix is packed once (GGUFLinear) into groups of 8 output rows whose blocks are
 // interleaved, [N / 8][K / QK][8][block bytes] (rows zero-padded to a multiple of 8), so one
-// group is one contiguous stream (reading 8 rows from 8 places cost 3-4x on the lm_head).
+// group is one contiguous stream rather than 8 strided ones.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -97,7 +97,8 @@ inline ChunkScale chunk_scale(int64_t qtype, const uint8_t* b, int j) {
     case kQ5_K: {
       int sc, m;
       scale_min_k4(j, b + 4, sc, m);
-      return {half_to_float(b) * static_cast<float>(sc), -(half_to_float(b + 2) * static_cast<float>(m)), 0.0f};
+      const float d = half_to_float(b), dmin = half_to_float(b + 2);
+      return {d * static_cast<float>(sc), -(dmin * static_cast<float>(m)), 0.0f};
     }
     case kQ6_K: {
       const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
@@ -452,7 +453,8 @@ torch::Tensor gguf_rows(const torch::Tensor& w, const torch::Tensor& ids, int64_
     const uint8_t* row = w.data_ptr<uint8_t>() + ip[t] * w.size(1);
     float* o = out.data_ptr<float>() + t * K;
     for (int64_t blk = 0; blk < K / qk; ++blk)
-      for (int j = 0; j < qk / kChunk; ++j) dequant_chunk_scalar(qtype, row + blk * bb, j, o + blk * qk + j * kChunk);
+      for (int j = 0; j < qk / kChunk; ++j)
+        dequant_chunk_scalar(qtype, row + blk * bb, j, o + blk * qk + j * kChunk);
   }
   return out;
 }

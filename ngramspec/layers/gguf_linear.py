@@ -12,15 +12,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from ngramspec.kernels import cpu_kernels
 
-# ggml type ids the kernel runs (gguf.GGMLQuantizationType values) -> (weights, bytes) a block
-KERNEL_TYPES = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
-                12: (256, 144), 13: (256, 176), 14: (256, 210)}
-TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
-AMX_TYPES = {2, 3, 8}  # the types amx_linear.cpp re-orders into tiles
+_Q = GGMLQuantizationType
+# the ggml types the kernel runs; gguf's GGML_QUANT_SIZES gives each (weights, bytes) a block
+KERNEL_TYPES = frozenset(int(q) for q in (_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0, _Q.Q4_K,
+                                          _Q.Q5_K, _Q.Q6_K))
+AMX_TYPES = frozenset(int(q) for q in (_Q.Q4_0, _Q.Q4_1, _Q.Q8_0))  # amx_linear.cpp's tiles
+
+
+def block_size(qtype: int) -> tuple[int, int]:
+    """(weights, bytes) of one block of ggml type `qtype`."""
+    return GGML_QUANT_SIZES[_Q(qtype)]
+
+
+def type_name(qtype: int) -> str:
+    return _Q(qtype).name
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,13 +43,14 @@ class GGUFWeight:
 
     def __post_init__(self) -> None:
         if self.qtype not in KERNEL_TYPES:
-            raise ValueError(f"GGUF type {self.qtype} has no kernel (have {sorted(TYPE_NAMES.values())})")
-        size, nbytes = KERNEL_TYPES[self.qtype]
+            raise ValueError(f"GGUF type {self.qtype} has no kernel "
+                             f"(have {sorted(type_name(q) for q in KERNEL_TYPES)})")
+        size, nbytes = block_size(self.qtype)
         if self.in_features % size or self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2:
             raise ValueError(f"GGUF blocks must be uint8 [out, in / {size} * block_bytes], in % {size} == 0")
         if self.blocks.shape[1] != self.in_features // size * nbytes:
             raise ValueError(f"GGUF blocks of shape {tuple(self.blocks.shape)} do not hold "
-                             f"{self.in_features} {TYPE_NAMES[self.qtype]} weights a row")
+                             f"{self.in_features} {type_name(self.qtype)} weights a row")
 
     @property
     def out_features(self) -> int:
@@ -83,7 +94,7 @@ class GGUFLinear(nn.Module):
 
     def extra_repr(self) -> str:
         kernel = "amx" if self.uses_amx else self._kernels.vector_isa()
-        return f"{self.in_features}, {self.out_features}, {TYPE_NAMES[self.qtype]}, {kernel}"
+        return f"{self.in_features}, {self.out_features}, {type_name(self.qtype)}, {kernel}"
 
 
 class GGUFStack(nn.Module):

@@ -8,8 +8,7 @@ the event loop.
 `AsyncEngine.build` constructs the engine on the thread that will step it. OpenMP keeps a worker
 team per thread that runs parallel regions; with the loading thread's team still alive, libgomp
 counts more threads than cores and its workers sleep after ~100 spins instead of waiting hot, so
-every kernel of a step pays a wake-up (a decode step ran ~1.3x slower on 2 cores). One thread
-doing all of the model's work keeps one team.
+every kernel of a step pays a wake-up. One thread doing all of the model's work keeps one team.
 """
 
 from __future__ import annotations
