@@ -18,8 +18,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf"],
                    help="gguf: run a GGUF model's block-quantised matrices (Q4_0 ... Q8_0, "
-                        "Q4_K/Q5_K/Q6_K) with the native CPU kernels (float32 activations); none: dequantise to --dtype; auto "
-                        "(default): gguf for a GGUF model on the CPU unless --dtype is given")
+                        "Q4_K/Q5_K/Q6_K) with the native CPU kernels; none: dequantise to --dtype; "
+                        "auto (default): gguf for a GGUF model on the CPU unless --dtype is given")
+    g.add_argument("--gguf-activations", default="auto", choices=["auto", "float32", "int8"],
+                   help="what the GGUF kernels multiply by: int8 (activations quantised per 32 "
+                        "values, as llama.cpp; auto) or float32")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="K/V storage (auto: the activations' dtype; bfloat16 with --quantization gguf)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "triton"],
@@ -69,7 +72,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
     spec = None if args.speculative in (None, "none") else args.speculative
     return dict(model=args.model, device=args.device, dtype=args.dtype,
-                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                quantization=args.quantization, gguf_activations=args.gguf_activations,
+                kv_cache_dtype=args.kv_cache_dtype,
                 attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,

@@ -23,6 +23,12 @@ class EngineConfig:
     # dequantise every weight to `dtype`;
     # "auto": "gguf" for a GGUF model on the CPU when dtype is "auto", else "none".
     quantization: Literal["auto", "none", "gguf"] = "auto"
+    # What the GGUF kernels multiply the blocks by: "float32" activations, or "int8": each row
+    # quantised per 32 values and multiplied in integers, as llama.cpp does (kernels/gguf_int8.cpp:
+    # faster one-row decode, slightly different numbers). "auto": int8, the fastest mode whose
+    # greedy agreement with float32 is at least llama.cpp's own (`bench quality`,
+    # docs/benchmarks.md). Speculation is lossless within either mode.
+    gguf_activations: Literal["auto", "float32", "int8"] = "auto"
     # K/V storage: "auto" = the activations' dtype, except bfloat16 for quantization="gguf" (half
     # the bytes that long-context attention streams; its quality is in `bench quality`).
     # bfloat16 under float32 activations needs the CPU attention kernel.
@@ -78,6 +84,9 @@ class EngineConfig:
         if self.quantization == "gguf" and self.tensor_parallel_size > 1:
             raise ValueError("quantization='gguf' keeps whole GGUF blocks, which tensor "
                              "parallelism does not split; use quantization='none' or 'auto'")
+        if self.gguf_activations not in ("auto", "float32", "int8"):
+            raise ValueError(f"EngineConfig.gguf_activations={self.gguf_activations!r}: "
+                             "use auto, float32 or int8")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"EngineConfig.kv_cache_dtype={self.kv_cache_dtype!r}: "
                              "use auto, float32 or bfloat16")
@@ -117,6 +126,11 @@ class EngineConfig:
             return False
         model_is_gguf = self.model is None or str(self.model).endswith(".gguf")
         return model_is_gguf and self.dtype == "auto" and self.torch_device.type == "cpu"
+
+    @property
+    def gguf_int8(self) -> bool:
+        """Whether the GGUF kernels quantise activations to int8 (gguf_activations resolved)."""
+        return self.uses_gguf_kernels and self.gguf_activations in ("auto", "int8")
 
     @property
     def torch_dtype(self) -> torch.dtype:

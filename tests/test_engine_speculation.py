@@ -125,13 +125,14 @@ def _amx() -> bool:
 
 
 @pytest.mark.parametrize("mode", [
-    {"quantization": "gguf"},
+    {"quantization": "gguf", "gguf_activations": "int8"},
+    {"quantization": "gguf", "gguf_activations": "float32"},
     pytest.param({"dtype": "bfloat16"}, marks=pytest.mark.skipif(
         not _amx(), reason="bf16 linears are row-invariant only on AMX tiles (oneDNN elsewhere)")),
-], ids=["gguf", "bfloat16"])
+], ids=["gguf-int8", "gguf-float32", "bfloat16"])
 def test_greedy_spec_equals_plain_in_faster_modes(mode):
-    """The GGUF block kernels and bf16 on AMX: speculative output equals the mode's own plain
-    decoding."""
+    """The GGUF block kernels (int8 or float32 activations) and bf16 on AMX: speculative output
+    equals the mode's own plain decoding."""
     prompts = spec_prompts()[::2]
     plain_llm = LLM(num_threads=2, **mode)
     spec = LLM(num_threads=2, speculative="ngram", verify_cost=FLAT_COST, **mode)

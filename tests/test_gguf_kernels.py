@@ -138,6 +138,54 @@ def test_each_row_is_bitwise_the_same_alone_or_in_a_batch(case, rows, tiles, see
         assert torch.equal(layer(x[r : r + 1])[0], batch[r])
 
 
+def _int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as gguf_int8.cpp quantises it, back in float64: per 32 values, q = round-half-even(x *
+    127 / max|x|) (float32 products, as ggml's quantize_row_q8_0) times the scale max|x| / 127."""
+    xc = x.numpy().astype(np.float32).reshape(x.shape[0], -1, 32)
+    amax = np.abs(xc).max(-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(xc * inverse)
+    assert np.abs(q).max() <= 127
+    return torch.from_numpy((q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64))
+                            .reshape(x.shape))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+@pytest.mark.parametrize("rows", [1, 2, 5, 17, 130])
+def test_int8_linear_is_the_quantised_rows_times_the_weights(qtype, rows):
+    """int8 activations (llama.cpp's numerics): a decode row, panel tiles, more than one row
+    chunk at 130. The chunks' integer dots are exact, so the only error left is the float
+    accumulation of one term a chunk (and a B term a chunk) over K / 32 chunks."""
+    in_features = _in_features(qtype, 96)
+    weight, dense = _weight(qtype, 44, in_features, seed=rows)
+    bias = torch.randn(44)
+    x = torch.randn(rows, in_features) * torch.rand(rows, 1) * 4  # rows of different scales
+    x[0, :32] = 0.0  # an all-zero chunk: scale 0, no division by it
+    layer = GGUFLinear(weight, bias, int8=True)
+    assert not layer.uses_amx and "int8" in layer.extra_repr()
+    xq = _int8_rows(x)
+    ref = xq @ dense.T + bias.double()
+    bound = (in_features / 32 + 10) * 1.2e-7 * (xq.abs() @ dense.abs().T) + 1e-6
+    assert ((layer(x).double() - ref).abs() <= bound).all()
+    # and it is a different mode: float32 activations give other numbers
+    assert not torch.equal(layer(x), GGUFLinear(weight, bias, use_amx=False)(x))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(TYPES), st.integers(1, 40), st.integers(1, 6), st.integers(0, 2**31))
+def test_int8_rows_are_bitwise_the_same_alone_or_in_a_batch(qtype, rows, tiles, seed):
+    """Speculation stays lossless in the int8 mode: the one-row kernel and the panel tiles form
+    every output's sum in the same order."""
+    in_features = _in_features(qtype, 64)
+    weight, _ = _weight(qtype, 7 * tiles, in_features, seed)
+    layer = GGUFLinear(weight, int8=True)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(seed))
+    batch = layer(x)
+    for r in range(rows):
+        assert torch.equal(layer(x[r : r + 1])[0], batch[r])
+
+
 def test_rows_lookup_equals_dequantisation():
     for qtype in TYPES:
         weight, dense = _weight(qtype, 50, _in_features(qtype, 64), seed=3)
@@ -163,6 +211,10 @@ def test_bad_shapes_and_types_are_named():
         cpu_kernels().gguf_linear(torch.randn(2, 96), packed, weight.qtype, 8, None)
     with pytest.raises(RuntimeError, match="do not fit packed weights"):
         cpu_kernels().gguf_linear(torch.randn(2, 64), packed, weight.qtype, 9, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels().gguf_linear_int8(torch.randn(2, 64).half(), packed, weight.qtype, 8, None)
+    with pytest.raises(RuntimeError, match="bytes a row"):
+        cpu_kernels().gguf_linear_int8(torch.randn(2, 96), packed, weight.qtype, 8, None)
 
 
 def test_quantization_auto_picks_the_gguf_kernels_for_a_gguf_model_on_cpu():
@@ -176,6 +228,11 @@ def test_quantization_auto_picks_the_gguf_kernels_for_a_gguf_model_on_cpu():
     assert EngineConfig(quantization="gguf", model="x.gguf").uses_gguf_kernels
     with pytest.raises(ValueError, match="computes in float32"):
         EngineConfig(quantization="gguf", dtype="bfloat16")
+    # int8 activations by default (the bench quality rule), float32 on request, never off-GGUF
+    assert EngineConfig().gguf_int8 and not EngineConfig(gguf_activations="float32").gguf_int8
+    assert not EngineConfig(dtype="float32", gguf_activations="int8").gguf_int8
+    with pytest.raises(ValueError, match="gguf_activations='int4'"):
+        EngineConfig(gguf_activations="int4")
 
 
 # ------------------------------------------------------------------ dense bf16 on AMX tiles

@@ -10,8 +10,9 @@ from typing import Any
 WEIGHT_MODES: dict[str, dict[str, str]] = {
     "float32": dict(dtype="float32", quantization="none"),
     "bfloat16": dict(dtype="bfloat16", quantization="none"),
-    "gguf": dict(quantization="gguf"),  # GGUF block kernels, bf16 K/V
-    "gguf-kv-fp32": dict(quantization="gguf", kv_cache_dtype="float32"),
+    "gguf": dict(quantization="gguf", gguf_activations="float32"),  # GGUF block kernels, bf16 K/V
+    "gguf-int8": dict(quantization="gguf", gguf_activations="int8"),  # int8 activations, as llama.cpp
+    "gguf-kv-fp32": dict(quantization="gguf", gguf_activations="float32", kv_cache_dtype="float32"),
 }
 
 

@@ -84,7 +84,8 @@ class LLMEngine:
                                       self.max_model_len, dtype, device,
                                       self._gguf_weights(config), config.torch_kv_dtype,
                                       attention_backend=config.attention_backend,
-                                      graphs=self._graph_limits(config, device))
+                                      graphs=self._graph_limits(config, device),
+                                      gguf_int8=config.gguf_int8)
         self.scheduler = Scheduler(num_slots, config.max_num_seqs, config.max_num_batched_tokens,
                                    prefix_cache=config.enable_prefix_caching)
         # A sequence longer than the whole cache could never be rescheduled (it would wait forever),

@@ -32,8 +32,10 @@ class ModelRunner:
                  max_model_len: int, dtype: torch.dtype, device: torch.device,
                  gguf_weights: dict | None = None, kv_dtype: torch.dtype | None = None,
                  all_reduce: Callable[[torch.Tensor], None] | None = None,
-                 attention_backend: str = "auto", graphs: GraphLimits | None = None) -> None:
-        """`gguf_weights` ({HF name: GGUFWeight}): matrices to run from their GGUF blocks;
+                 attention_backend: str = "auto", graphs: GraphLimits | None = None,
+                 gguf_int8: bool = False) -> None:
+        """`gguf_weights` ({HF name: GGUFWeight}): matrices to run from their GGUF blocks
+        (`gguf_int8`: with int8 activations, EngineConfig.gguf_activations);
         `kv_dtype`: the K/V cache's dtype (default: `dtype`); `all_reduce`: sums a tensor over
         the tensor-parallel ranks in place (engine/parallel.py; `model_cfg` is then this rank's
         slice); `attention_backend`: EngineConfig.attention_backend; `graphs`: replay steps that
@@ -41,6 +43,7 @@ class ModelRunner:
         eagerly; on the CPU the padded static inputs run without capture, for the tests)."""
         self.device, self.dtype = device, dtype
         self.all_reduce = all_reduce
+        self.gguf_int8 = gguf_int8
         self.model_cfg = model_cfg
         self.max_model_len = max_model_len
         self.attention = _attention_backend(attention_backend, device, dtype)
@@ -86,7 +89,7 @@ class ModelRunner:
         model = model.to(dtype=self.dtype).eval()
         model.rope.to(torch.float32)  # keep cos/sin exact; they are cast per use
         if gguf_weights:
-            model.use_gguf_weights(gguf_weights)
+            model.use_gguf_weights(gguf_weights, int8=self.gguf_int8)
         if self.attention == "cpu":
             model.attention = PagedAttention()
             model.use_cpu_kernels(cpu_kernels())

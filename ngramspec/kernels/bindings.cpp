@@ -12,6 +12,8 @@ using NoGil = py::call_guard<py::gil_scoped_release>;
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_pack", &gguf_pack, "GGUF blocks in groups of 8 rows with interleaved blocks");
   m.def("gguf_linear", &gguf_linear, NoGil(), "x @ dequant(w).T from packed GGUF blocks (fp32 accumulate)");
+  m.def("gguf_linear_int8", &gguf_linear_int8, NoGil(),
+        "x @ dequant(w).T from packed GGUF blocks with x quantised to int8 per 32 (llama.cpp's numerics)");
   m.def("gguf_rows", &gguf_rows, "dequantised rows of a GGUF matrix");
   m.def("vector_isa", &vector_isa, "the vector path compiled for this CPU: avx512, avx2 or scalar");
   m.def("paged_attention", &paged_attention, NoGil(),

@@ -23,7 +23,9 @@ constexpr int64_t kMatrices = 4;  // per layer: qkv, o, gate_up, down
 // [4l .. 4l + 3] (qkv, o, gate_up, down). Matrix m is parts[m] pieces of blocks, qtypes and
 // outputs, in order (packed by gguf_pack, see gguf_kernels.cpp): one when its rows share a block
 // type, more where a file mixes them (Q4_K_M: q/k Q5_0, v Q6_K), their outputs side by side;
-// k_cache[l], v_cache[l]: [slots, KVH, D]. cos, sin: [T, D] float32; the rest as paged_attention.
+// k_cache[l], v_cache[l]: [slots, KVH, D]. int8: the matrices quantise their inputs to int8
+// (gguf_linear_int8), else they take them in float32 (gguf_linear). cos, sin: [T, D] float32;
+// the rest as paged_attention.
 std::vector<torch::Tensor> decoder_stack(
     torch::Tensor x, const std::vector<torch::Tensor>& norms, const std::vector<torch::Tensor>& blocks,
     const std::vector<int64_t>& qtypes, const std::vector<int64_t>& outputs,
@@ -32,7 +34,7 @@ std::vector<torch::Tensor> decoder_stack(
     int64_t head_dim, double eps,
     const torch::Tensor& slot_mapping, const torch::Tensor& seq_offsets, const torch::Tensor& prefix,
     const torch::Tensor& prefix_offsets, const torch::Tensor& local,
-    const torch::Tensor& local_offsets, const torch::Tensor& causal, double scale) {
+    const torch::Tensor& local_offsets, const torch::Tensor& causal, double scale, bool int8) {
   const int64_t layers = k_cache.size(0);
   std::vector<int64_t> first(parts.size() + 1, 0);  // matrix m's pieces: [first[m], first[m + 1])
   for (size_t m = 0; m < parts.size(); ++m) {
@@ -50,7 +52,8 @@ std::vector<torch::Tensor> decoder_stack(
   auto linear = [&](const torch::Tensor& in, int64_t m) {  // as GGUFLinear / GGUFStack
     std::vector<torch::Tensor> outs;
     for (int64_t i = first[m]; i < first[m + 1]; ++i)
-      outs.push_back(gguf_linear(in, blocks[i], qtypes[i], outputs[i], no_bias));
+      outs.push_back(int8 ? gguf_linear_int8(in, blocks[i], qtypes[i], outputs[i], no_bias)
+                          : gguf_linear(in, blocks[i], qtypes[i], outputs[i], no_bias));
     return outs.size() == 1 ? outs[0] : torch::cat(outs, 1);
   };
   torch::Tensor residual = x;  // the embeddings; updated in place from the first add on

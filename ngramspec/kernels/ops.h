@@ -8,6 +8,8 @@
 torch::Tensor gguf_pack(const torch::Tensor& w, int64_t qtype, int64_t K);
 torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t N,
                           const c10::optional<torch::Tensor>& bias);
+torch::Tensor gguf_linear_int8(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t N,
+                               const c10::optional<torch::Tensor>& bias);
 torch::Tensor gguf_rows(const torch::Tensor& w, const torch::Tensor& ids, int64_t qtype, int64_t K);
 std::string vector_isa();
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -30,7 +32,7 @@ std::vector<torch::Tensor> decoder_stack(
     const torch::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
     const torch::Tensor& slot_mapping, const torch::Tensor& seq_offsets, const torch::Tensor& prefix,
     const torch::Tensor& prefix_offsets, const torch::Tensor& local,
-    const torch::Tensor& local_offsets, const torch::Tensor& causal, double scale);
+    const torch::Tensor& local_offsets, const torch::Tensor& causal, double scale, bool int8);
 
 torch::Tensor amx_pack_bf16(const torch::Tensor& w);
 torch::Tensor amx_linear_bf16(const torch::Tensor& x, const torch::Tensor& w,

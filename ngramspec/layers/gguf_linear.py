@@ -65,20 +65,24 @@ class GGUFWeight:
 
 
 class GGUFLinear(nn.Module):
-    """On a CPU with AMX (bf16 tiles) Q4_0 / Q4_1 / Q8_0 blocks are re-ordered once into AMX tiles
-    and 1 to 16 rows cost about the same (`amx_linear.cpp`: activations rounded to bf16, fp32
-    sums); else the vector kernel runs them packed in groups of 8 rows with interleaved blocks,
-    the same bits (`gguf_kernels.cpp`: fp32 throughout)."""
+    """With int8 activations (`int8=True`, llama.cpp's numerics) each input row is quantised per
+    32 values and multiplied in integers (`gguf_int8.cpp`). Else, on a CPU with AMX (bf16 tiles)
+    Q4_0 / Q4_1 / Q8_0 blocks are re-ordered once into AMX tiles and 1 to 16 rows cost about the
+    same (`amx_linear.cpp`: activations rounded to bf16, fp32 sums), and elsewhere the vector
+    kernel runs them in fp32 throughout (`gguf_kernels.cpp`). The non-AMX kernels read the
+    blocks packed in groups of 8 rows with interleaved blocks, the same bits."""
 
     def __init__(self, weight: GGUFWeight, bias: torch.Tensor | None = None,
-                 use_amx: bool | None = None) -> None:
+                 use_amx: bool | None = None, int8: bool = False) -> None:
         super().__init__()
         self.qtype, self.in_features = weight.qtype, weight.in_features
         self.out_features = weight.out_features
+        self.int8 = int8
         self._kernels = cpu_kernels()
         if use_amx is None:
             use_amx = self._kernels.amx_available()
-        self.uses_amx = use_amx and self.out_features % 16 == 0 and self.qtype in AMX_TYPES
+        self.uses_amx = (use_amx and not int8 and self.out_features % 16 == 0
+                         and self.qtype in AMX_TYPES)
         blocks = weight.blocks.contiguous()
         if self.uses_amx:
             blocks = self._kernels.amx_pack(blocks, self.qtype, self.in_features)
@@ -90,10 +94,12 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] float32 -> [T, out]
         if self.uses_amx:
             return self._kernels.amx_linear(x, self.blocks, self.qtype, self.bias)
+        if self.int8:
+            return self._kernels.gguf_linear_int8(x, self.blocks, self.qtype, self.out_features, self.bias)
         return self._kernels.gguf_linear(x, self.blocks, self.qtype, self.out_features, self.bias)
 
     def extra_repr(self) -> str:
-        kernel = "amx" if self.uses_amx else self._kernels.vector_isa()
+        kernel = "amx" if self.uses_amx else self._kernels.vector_isa() + (" int8" if self.int8 else "")
         return f"{self.in_features}, {self.out_features}, {type_name(self.qtype)}, {kernel}"
 
 
@@ -101,21 +107,23 @@ class GGUFStack(nn.Module):
     """Matrices of different block types whose outputs the model fuses (q/k/v, gate/up): one
     kernel call per matrix, outputs side by side. Each part is row-invariant, so the whole is."""
 
-    def __init__(self, parts: list[GGUFWeight], bias: torch.Tensor | None = None) -> None:
+    def __init__(self, parts: list[GGUFWeight], bias: torch.Tensor | None = None,
+                 int8: bool = False) -> None:
         super().__init__()
         sizes = [p.out_features for p in parts]
         biases = list(bias.split(sizes)) if bias is not None else [None] * len(parts)
-        self.parts = nn.ModuleList(GGUFLinear(w, b) for w, b in zip(parts, biases))
+        self.parts = nn.ModuleList(GGUFLinear(w, b, int8=int8) for w, b in zip(parts, biases))
         self.in_features, self.out_features = parts[0].in_features, sum(sizes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] float32 -> [T, sum(out)]
         return torch.cat([p(x) for p in self.parts], dim=1)
 
 
-def gguf_linear(parts: list[GGUFWeight], bias: torch.Tensor | None = None) -> nn.Module:
+def gguf_linear(parts: list[GGUFWeight], bias: torch.Tensor | None = None,
+                int8: bool = False) -> nn.Module:
     """One module for the rows of `parts` stacked: a single kernel when their types agree."""
     fused = GGUFWeight.concat(parts)
-    return GGUFLinear(fused, bias) if fused is not None else GGUFStack(parts, bias)
+    return GGUFLinear(fused, bias, int8=int8) if fused is not None else GGUFStack(parts, bias, int8)
 
 
 class GGUFEmbedding(nn.Module):

@@ -181,10 +181,11 @@ class LlamaForCausalLM(nn.Module):
         if missing or unexpected:
             raise ValueError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")
 
-    def use_gguf_weights(self, weights: dict) -> None:
+    def use_gguf_weights(self, weights: dict, int8: bool = False) -> None:
         """Swap linears (and the embedding) for GGUF block kernels where `weights` ({HF name:
-        GGUFWeight}) has them; q/k/v and gate/up run as one kernel when their types agree, else
-        one per matrix. Call after `load_hf_state_dict` (biases and norms come from there)."""
+        GGUFWeight}) has them, with int8 or float32 activations (`int8`); q/k/v and gate/up run
+        as one kernel when their types agree, else one per matrix. Call after
+        `load_hf_state_dict` (biases and norms come from there)."""
         from ngramspec.layers.gguf_linear import GGUFEmbedding, GGUFLinear, gguf_linear
 
         def get(name: str):
@@ -199,13 +200,13 @@ class LlamaForCausalLM(nn.Module):
                       ("down_proj", mlp, [get(f"{p}mlp.down_proj")])]
             for attr, owner, parts in groups:
                 if all(w is not None for w in parts):  # else the dense weights stay
-                    setattr(owner, attr, gguf_linear(parts, getattr(owner, attr).bias))
+                    setattr(owner, attr, gguf_linear(parts, getattr(owner, attr).bias, int8))
         embed = get("embed_tokens")
         head = weights.get("lm_head.weight", embed)  # tied when the file has no output.weight
         if embed is not None:
             self.embed_tokens = GGUFEmbedding(embed)
         if head is not None:
-            self.lm_head = GGUFLinear(head)
+            self.lm_head = GGUFLinear(head, int8=int8)
 
 
 class DecoderStack:
@@ -224,6 +225,7 @@ class DecoderStack:
         self.blocks = [m.blocks for m in linears]
         self.qtypes = [m.qtype for m in linears]
         self.outputs = [m.out_features for m in linears]
+        self.int8 = linears[0].int8  # one mode for the whole model (`of` checks)
         self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.head_dim ** -0.5
 
@@ -235,7 +237,8 @@ class DecoderStack:
             return None
         if not all(_layer_fits(layer, model.cfg.rms_norm_eps) for layer in model.layers):
             return None
-        return cls(model, ops)
+        modes = {m.int8 for layer in model.layers for matrix in _matrices(layer) for m in _pieces(matrix)}
+        return cls(model, ops) if len(modes) == 1 else None
 
     def __call__(self, x: torch.Tensor, rotary: RotaryTable, cache: KVCache,
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,7 +252,7 @@ class DecoderStack:
             x, self.norms, self.blocks, self.qtypes, self.outputs, self.parts, cache.k, cache.v,
             cos.view(t, -1), sin.view(t, -1), heads, kv_heads, head_dim, eps, meta.slot_mapping,
             p.seq_offsets, p.prefix, p.prefix_offsets, p.local, p.local_offsets, p.causal,
-            self.scale))
+            self.scale, self.int8))
 
 
 def _matrices(layer: DecoderLayer) -> tuple[nn.Module, ...]:

@@ -1,0 +1,431 @@
+// Matrix multiply from GGUF blocks with int8 activations: llama.cpp's numerics, as a mode.
+//
+// Why: one decode row is bound by instructions, not by memory. The float32 kernel
+// (gguf_kernels.cpp) widens every weight to fp32 before its FMA, ~16 instructions a 32-weight
+// chunk; ggml instead quantises the activations to int8 per 32 values (scale max|x| / 127, its
+// Q8_0/Q8_1) and takes each chunk's dot product in integers (maddubs, or one VNNI dpbusd),
+// ~5 instructions a chunk. That changes the numbers, so it is a mode (EngineConfig.
+// gguf_activations) chosen by `bench quality`, never a silent substitute.
+//
+// A chunk's weights are unsigned levels u in [0, 2^bits) (Q8_0: signed, via the sign trick) with
+// w = A * (u - offset) + B, A and B from the block (chunk_scale). With activations x ~ d * a:
+//   sum w x = d * A * (sum u a - offset * sum a) + B * d * sum a.
+// Each output's sum, in one fixed order whatever the number of rows, the tile or the thread:
+// per chunk, 8 int32 lanes (lane l: the exact integer dot of k = 4l .. 4l + 3, less Q6_K's offset
+// times the lane's activations) are converted and accumulated by fma(lanes, A * d, acc) into 8
+// fp32 lanes; then one 8-lane reduction, plus the B terms (the other types' offsets folded in)
+// summed chunk by chunk. A row is bitwise the same alone
+// or in a batch, so speculation stays lossless within this mode. AVX2, AVX-512 (256-bit ops, VNNI
+// where present) and the scalar tier compute the same integers and the same float operations.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "gguf_blocks.h"
+#include "vec_math.h"
+
+namespace {
+
+using ngramspec::block_bytes_of;
+using ngramspec::block_weights_of;
+using ngramspec::check_weight;
+using ngramspec::chunk_scale;
+using ngramspec::ChunkScale;
+using ngramspec::kChunk;
+using ngramspec::kPack;
+using ngramspec::kQ4_0;
+using ngramspec::kQ4_1;
+using ngramspec::kQ4_K;
+using ngramspec::kQ5_0;
+using ngramspec::kQ5_1;
+using ngramspec::kQ5_K;
+using ngramspec::kQ6_K;
+using ngramspec::kQ8_0;
+using ngramspec::level;
+
+// Q6_K's levels are shifted by 32 in w = A * (u - 32): its two 16-weight halves have their own A,
+// so the shift is taken off in integers, per lane. The other types fold theirs into a B term:
+// Q4_0 w = A * u - 8 A, Q5_0 w = A * u - 16 A. Q8_0 is signed (no shift, no B).
+constexpr int lane_offset(int64_t qtype) { return qtype == kQ6_K ? 32 : 0; }
+constexpr bool has_min(int64_t qtype) { return qtype != kQ8_0 && qtype != kQ6_K; }
+
+// M rows of activations quantised per 32-value chunk (C = K / 32 chunks a row).
+struct QuantRows {
+  int64_t K = 0, C = 0;
+  std::vector<int8_t> q;         // [M, K]: round(x / d), |q| <= 127
+  std::vector<int32_t> ncorr;    // [M, C, 8]: -lane_offset * (q[4l] + ... + q[4l + 3]) for lane l
+  std::vector<float> d;          // [M, C]: max|x| / 127
+  std::vector<float> dsum;       // [M, C]: d * (sum of the chunk's q), for B terms
+
+  const int8_t* qs(int64_t m, int64_t c) const { return q.data() + m * K + c * kChunk; }
+  const int32_t* corr(int64_t m, int64_t c) const { return ncorr.data() + (m * C + c) * 8; }
+};
+
+// ggml's quantize_row_q8_0 rounding (x * 127 / max|x|, to nearest even), with float32 scales.
+QuantRows quantize_rows(const float* x, int64_t M, int64_t K, int offset) {
+  QuantRows a;
+  a.K = K;
+  a.C = K / kChunk;
+  a.q.resize(static_cast<size_t>(M * K));
+  a.ncorr.resize(static_cast<size_t>(M * a.C * 8));
+  a.d.resize(static_cast<size_t>(M * a.C));
+  a.dsum.resize(static_cast<size_t>(M * a.C));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < a.C; ++c) {
+      const float* xc = x + m * K + c * kChunk;
+      float amax = 0.0f;
+      for (int i = 0; i < kChunk; ++i) amax = std::max(amax, std::fabs(xc[i]));
+      const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
+      int8_t* q = a.q.data() + m * K + c * kChunk;
+      int32_t* corr = a.ncorr.data() + (m * a.C + c) * 8;
+      int sum = 0;
+      for (int l = 0; l < 8; ++l) {
+        int lane = 0;
+        for (int i = 4 * l; i < 4 * l + 4; ++i) {
+          q[i] = static_cast<int8_t>(std::nearbyint(xc[i] * id));
+          lane += q[i];
+        }
+        corr[l] = -offset * lane;
+        sum += lane;
+      }
+      a.d[m * a.C + c] = d;
+      a.dsum[m * a.C + c] = d * static_cast<float>(sum);
+    }
+  return a;
+}
+
+// The per-chunk float scales of output tiles: A (two for Q6_K's 16-weight halves) and B.
+inline void chunk_factors(int64_t qtype, const uint8_t* b, int j, float& a_lo, float& a_hi, float& bmin) {
+  const ChunkScale s = chunk_scale(qtype, b, j);
+  a_lo = s.d;
+  a_hi = qtype == kQ6_K ? s.d2 : s.d;
+  bmin = qtype == kQ5_0 ? -16.0f * s.d : has_min(qtype) ? s.m : 0.0f;  // Q4_0's m is -8 d
+}
+
+#if defined(__AVX512F__) || NGRAMSPEC_AVX2
+
+// Chunk j's 32 levels as bytes in k order: unsigned u for every type but Q8_0 (signed).
+template <int64_t Q>
+inline __m256i chunk_levels(const uint8_t* b, int j) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  if constexpr (Q == kQ4_0 || Q == kQ4_1 || Q == kQ5_0 || Q == kQ5_1) {
+    constexpr int off = Q == kQ4_0 ? 2 : Q == kQ4_1 ? 4 : Q == kQ5_0 ? 6 : 8;  // the nibbles
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + off));
+    __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
+    if constexpr (Q == kQ5_0 || Q == kQ5_1) {  // bit i of qh is weight i's fifth bit
+      const __m256i spread = _mm256_shuffle_epi8(
+          _mm256_set1_epi32(static_cast<int>(ngramspec::load_u32(b + off - 4))),
+          _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+      const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+      const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+      u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+    }
+    return u;
+  } else if constexpr (Q == kQ8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+  } else if constexpr (Q == kQ4_K || Q == kQ5_K) {
+    const uint8_t* qs = b + (Q == kQ4_K ? 16 : 48) + (j / 2) * 32;
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+    __m256i u = _mm256_and_si256(_mm256_srli_epi16(raw, 4 * (j & 1)), low4);
+    if constexpr (Q == kQ5_K) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+      const __m256i top = _mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1));
+      u = _mm256_or_si256(u, _mm256_slli_epi16(top, 4));
+    }
+    return u;
+  } else {  // Q6_K
+    const int sub = j % 4;
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (j / 4) * 64 + (sub & 1) * 32));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + (j / 4) * 32));
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (sub >> 1)), low4);
+    const __m256i top = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * sub), _mm256_set1_epi8(3));
+    return _mm256_or_si256(low, _mm256_slli_epi16(top, 4));
+  }
+}
+
+// acc + (lane l: sum of u[k] * a[k] over k = 4l .. 4l + 3), u unsigned, a signed. No int16
+// saturation: |u| <= 128 and |a| <= 127 keep maddubs' pair sums within 32767.
+inline __m256i dot_lanes(__m256i acc, __m256i u, __m256i a) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, a);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, a);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1)));
+#endif
+}
+
+// vec_math.h's reduction order on 8 lanes (the scalar tier repeats it).
+inline float reduce8(__m256 v) {
+  const __m128 t = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  const __m128 u = _mm_add_ps(t, _mm_shuffle_ps(t, t, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(u) + _mm_cvtss_f32(_mm_shuffle_ps(u, u, _MM_SHUFFLE(1, 1, 1, 1)));
+}
+
+// MR rows x NR outputs of one packed group: each chunk's levels decoded once, used by every row.
+template <int64_t Q, int MR, int NR>
+void tile(const QuantRows& a, int64_t m0, const uint8_t* w, float* out, int64_t ldo, int64_t ncols) {
+  constexpr int64_t bb = block_bytes_of(Q), chunks = block_weights_of(Q) / kChunk;
+  constexpr bool offset = lane_offset(Q) != 0, minus = has_min(Q);
+  __m256 acc[MR][NR];
+  float mins[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR; ++c) {
+      acc[r][c] = _mm256_setzero_ps();
+      mins[r][c] = 0.0f;
+    }
+  for (int64_t ch = 0; ch < a.C; ++ch) {
+    const int64_t blk = ch / chunks;
+    const int j = static_cast<int>(ch % chunks);
+    __m256i u[NR];
+    __m256 scale[NR];
+    float bmin[NR];
+    for (int c = 0; c < NR; ++c) {
+      const uint8_t* b = w + (blk * kPack + c) * bb;
+      float lo, hi;
+      chunk_factors(Q, b, j, lo, hi, bmin[c]);
+      u[c] = chunk_levels<Q>(b, j);
+      scale[c] = _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo));  // lanes 4..7: k = 16..31
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs(m0 + r, ch)));
+      const __m256 d = _mm256_set1_ps(a.d[(m0 + r) * a.C + ch]);
+      const __m256i base = offset ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.corr(m0 + r, ch)))
+                                  : _mm256_setzero_si256();
+      for (int c = 0; c < NR; ++c) {
+        __m256i lanes;
+        if constexpr (Q == kQ8_0)
+          lanes = dot_lanes(base, _mm256_sign_epi8(u[c], u[c]), _mm256_sign_epi8(av, u[c]));
+        else
+          lanes = dot_lanes(base, u[c], av);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_mul_ps(scale[c], d), acc[r][c]);
+        if constexpr (minus) mins[r][c] = std::fma(bmin[c], a.dsum[(m0 + r) * a.C + ch], mins[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR && c < ncols; ++c) out[r * ldo + c] = reduce8(acc[r][c]) + mins[r][c];
+}
+
+// Tile shapes by register count: kDecodeNR outputs for one row (levels decoded in registers);
+// kMR x kNR over a decoded panel for more rows.
+#if defined(__AVX512F__)
+constexpr int kMR = 4, kNR = 4, kDecodeNR = 8;  // of 32 registers
+#else
+constexpr int kMR = 4, kNR = 2, kDecodeNR = 4;  // of 16 registers
+#endif
+
+// A packed group's 8 outputs decoded once for many rows: levels as bytes and each chunk's factors.
+struct Panel {
+  std::vector<uint8_t> u;           // [C][8][32]
+  std::vector<float> lo, hi, bmin;  // [C][8]
+};
+
+template <int64_t Q>
+void decode_group(const uint8_t* w, int64_t C, Panel& p) {
+  constexpr int64_t bb = block_bytes_of(Q), chunks = block_weights_of(Q) / kChunk;
+  p.u.resize(static_cast<size_t>(C * kPack * kChunk));
+  p.lo.resize(static_cast<size_t>(C * kPack));
+  p.hi.resize(p.lo.size());
+  p.bmin.resize(p.lo.size());
+  for (int64_t ch = 0; ch < C; ++ch)
+    for (int64_t c = 0; c < kPack; ++c) {
+      const uint8_t* b = w + ((ch / chunks) * kPack + c) * bb;
+      const int j = static_cast<int>(ch % chunks), at = static_cast<int>(ch * kPack + c);
+      chunk_factors(Q, b, j, p.lo[at], p.hi[at], p.bmin[at]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.u.data() + at * kChunk), chunk_levels<Q>(b, j));
+    }
+}
+
+// MR rows x NR outputs (from output c0 of the panel): sum of the chunks' lanes times A * d, where
+// sd_lo / sd_hi [rows][C][8] hold those products (the same float products tile() forms).
+template <int64_t Q, int MR, int NR>
+void panel_tile(const QuantRows& a, int64_t m0, const Panel& p, int64_t c0, const float* sd_lo,
+                const float* sd_hi, float* out, int64_t ldo, int64_t ncols) {
+  constexpr bool offset = lane_offset(Q) != 0;
+  __m256 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t ch = 0; ch < a.C; ++ch) {
+    __m256i u[NR];
+    for (int c = 0; c < NR; ++c) {
+      u[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.u.data() + (ch * kPack + c0 + c) * kChunk));
+      if constexpr (Q == kQ8_0) u[c] = _mm256_sign_epi8(u[c], u[c]);  // |w|; the sign goes to a
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs(m0 + r, ch)));
+      const __m256i base = offset ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.corr(m0 + r, ch)))
+                                  : _mm256_setzero_si256();
+      const int64_t at = (r * a.C + ch) * kPack + c0;
+      for (int c = 0; c < NR; ++c) {
+        __m256i lanes;
+        if constexpr (Q == kQ8_0) {
+          const __m256i w = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(p.u.data() + (ch * kPack + c0 + c) * kChunk));
+          lanes = dot_lanes(base, u[c], _mm256_sign_epi8(av, w));
+        } else {
+          lanes = dot_lanes(base, u[c], av);
+        }
+        const __m256 s = Q == kQ6_K ? _mm256_set_m128(_mm_broadcast_ss(sd_hi + at + c), _mm_broadcast_ss(sd_lo + at + c))
+                                    : _mm256_broadcast_ss(sd_lo + at + c);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), s, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR && c < ncols; ++c) out[r * ldo + c] = reduce8(acc[r][c]);
+}
+
+// panel_tile<Q, rows, kNR> for 1 <= rows <= kMR.
+template <int64_t Q, int R = kMR>
+void panel_rows(int64_t rows, const QuantRows& a, int64_t m0, const Panel& p, int64_t c0, const float* sd_lo,
+                const float* sd_hi, float* out, int64_t ldo, int64_t ncols) {
+  if constexpr (R > 1) {
+    if (rows < R) return panel_rows<Q, R - 1>(rows, a, m0, p, c0, sd_lo, sd_hi, out, ldo, ncols);
+  }
+  panel_tile<Q, R, kNR>(a, m0, p, c0, sd_lo, sd_hi, out, ldo, ncols);
+}
+
+// Rows [m0, m1) x the 8 outputs of a decoded panel, into out (row stride ldo, `cols` outputs).
+template <int64_t Q>
+void panel_rows_range(const QuantRows& a, int64_t m0, int64_t m1, const Panel& p, std::vector<float>& sd_lo,
+                      std::vector<float>& sd_hi, float* out, int64_t ldo, int64_t cols) {
+  const int64_t C = a.C, rows = m1 - m0;
+  sd_lo.resize(static_cast<size_t>(rows * C * kPack));
+  sd_hi.resize(Q == kQ6_K ? sd_lo.size() : 0);
+  for (int64_t r = 0; r < rows; ++r)  // A * d for all 8 outputs at once
+    for (int64_t ch = 0; ch < C; ++ch) {
+      const __m256 d = _mm256_set1_ps(a.d[(m0 + r) * C + ch]);
+      const int64_t at = (r * C + ch) * kPack;
+      _mm256_storeu_ps(sd_lo.data() + at, _mm256_mul_ps(_mm256_loadu_ps(p.lo.data() + ch * kPack), d));
+      if constexpr (Q == kQ6_K)
+        _mm256_storeu_ps(sd_hi.data() + at, _mm256_mul_ps(_mm256_loadu_ps(p.hi.data() + ch * kPack), d));
+    }
+  for (int64_t m = m0; m < m1; m += kMR)
+    for (int64_t c = 0; c < cols; c += kNR)
+      panel_rows<Q>(std::min<int64_t>(kMR, m1 - m), a, m, p, c, sd_lo.data() + (m - m0) * C * kPack,
+                    sd_hi.data() + (Q == kQ6_K ? (m - m0) * C * kPack : 0), out + (m - m0) * ldo + c, ldo,
+                    cols - c);
+  if constexpr (has_min(Q)) {  // the B terms, chunk by chunk for all 8 outputs at once
+    float mins[kPack];
+    for (int64_t r = 0; r < rows; ++r) {
+      __m256 mv = _mm256_setzero_ps();
+      for (int64_t ch = 0; ch < C; ++ch)
+        mv = _mm256_fmadd_ps(_mm256_loadu_ps(p.bmin.data() + ch * kPack), _mm256_set1_ps(a.dsum[(m0 + r) * C + ch]),
+                             mv);
+      _mm256_storeu_ps(mins, mv);
+      for (int64_t c = 0; c < cols; ++c) out[r * ldo + c] += mins[c];
+    }
+  }
+}
+
+// Outputs of packed groups [g0, g1) for all rows of `a`.
+template <int64_t Q>
+void matmul_groups(const QuantRows& a, int64_t M, const uint8_t* w, int64_t row_bytes, float* out, int64_t N,
+                   int64_t g0, int64_t g1) {
+  const int64_t bb = block_bytes_of(Q);
+  if (M == 1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t c = 0; c < kPack && g * kPack + c < N; c += kDecodeNR)
+        tile<Q, 1, kDecodeNR>(a, 0, w + g * kPack * row_bytes + c * bb, out + g * kPack + c, N,
+                              N - g * kPack - c);
+    return;
+  }
+  // Rows go in chunks whose activations (~2 bytes a value with the lane sums) and scale products
+  // stay in L2 while every group of the range passes over them; each group is decoded once a chunk.
+  const int64_t chunk_rows = std::max<int64_t>(kMR, (131072 / (2 * a.K)) / kMR * kMR);
+  Panel panel;
+  std::vector<float> sd_lo, sd_hi;
+  for (int64_t m0 = 0; m0 < M; m0 += chunk_rows) {
+    const int64_t m1 = std::min(M, m0 + chunk_rows);
+    for (int64_t g = g0; g < g1; ++g) {
+      decode_group<Q>(w + g * kPack * row_bytes, a.C, panel);
+      panel_rows_range<Q>(a, m0, m1, panel, sd_lo, sd_hi, out + m0 * N + g * kPack, N,
+                          std::min(kPack, N - g * kPack));
+    }
+  }
+}
+
+#else  // no vector path: the same integers and float operations, lane by lane
+
+// u of chunk j's weight i (level() folds Q5_0's and Q6_K's shifts in; Q4_0's lies in its m).
+inline int unsigned_level(int64_t qtype, const uint8_t* b, int j, int i) {
+  return level(qtype, b, j, i) + (qtype == kQ5_0 ? 16 : qtype == kQ6_K ? 32 : 0);
+}
+
+template <int64_t Q>
+void matmul_groups(const QuantRows& a, int64_t M, const uint8_t* w, int64_t row_bytes, float* out, int64_t N,
+                   int64_t g0, int64_t g1) {
+  constexpr int64_t bb = block_bytes_of(Q), chunks = block_weights_of(Q) / kChunk;
+  for (int64_t n = g0 * kPack; n < std::min(N, g1 * kPack); ++n) {
+    const uint8_t* wn = w + (n / kPack) * kPack * row_bytes + (n % kPack) * bb;
+    for (int64_t m = 0; m < M; ++m) {
+      float acc[8] = {0}, mins = 0.0f;
+      for (int64_t ch = 0; ch < a.C; ++ch) {
+        const uint8_t* b = wn + (ch / chunks) * kPack * bb;
+        const int j = static_cast<int>(ch % chunks);
+        float lo, hi, bmin;
+        chunk_factors(Q, b, j, lo, hi, bmin);
+        const int8_t* q = a.qs(m, ch);
+        const int32_t* corr = a.corr(m, ch);
+        const float d = a.d[m * a.C + ch];
+        for (int l = 0; l < 8; ++l) {
+          int32_t lane = corr[l];
+          for (int i = 4 * l; i < 4 * l + 4; ++i) lane += unsigned_level(Q, b, j, i) * q[i];
+          acc[l] = std::fma(static_cast<float>(lane), (l < 4 ? lo : hi) * d, acc[l]);
+        }
+        if (has_min(Q)) mins = std::fma(bmin, a.dsum[m * a.C + ch], mins);
+      }
+      float t[4], u[2];
+      for (int i = 0; i < 4; ++i) t[i] = acc[i + 4] + acc[i];
+      for (int i = 0; i < 2; ++i) u[i] = t[i] + t[i + 2];
+      out[m * N + n] = (u[0] + u[1]) + mins;
+    }
+  }
+}
+
+#endif
+
+}  // namespace
+
+// x: [M, K] float32 -> [M, N] float32, with w: GGUF blocks of type qtype packed by gguf_pack;
+// x is quantised to int8 per 32 values first (see the top).
+torch::Tensor gguf_linear_int8(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t N,
+                               const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
+              "gguf_linear_int8: x must be a 2-D CPU float32 tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  check_weight(w, qtype, K);
+  TORCH_CHECK(w.size(0) % kPack == 0 && N > w.size(0) - kPack && N <= w.size(0), "gguf_linear_int8: ", N,
+              " outputs do not fit packed weights of ", w.size(0), " rows (see gguf_pack)");
+  torch::Tensor out = torch::empty({M, N}, x.options());
+  if (M == 0) return out;
+  const torch::Tensor xc = x.contiguous();
+  const QuantRows a = quantize_rows(xc.data_ptr<float>(), M, K, lane_offset(qtype));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t row_bytes = w.size(1), groups = (N + kPack - 1) / kPack;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    switch (qtype) {
+#define NGRAMSPEC_CASE(Q) \
+  case Q: matmul_groups<Q>(a, M, wp, row_bytes, op, N, g0, g1); break;
+      NGRAMSPEC_CASE(kQ4_0)
+      NGRAMSPEC_CASE(kQ4_1)
+      NGRAMSPEC_CASE(kQ5_0)
+      NGRAMSPEC_CASE(kQ5_1)
+      NGRAMSPEC_CASE(kQ8_0)
+      NGRAMSPEC_CASE(kQ4_K)
+      NGRAMSPEC_CASE(kQ5_K)
+      NGRAMSPEC_CASE(kQ6_K)
+#undef NGRAMSPEC_CASE
+      default: break;  // rejected by check_weight
+    }
+  });
+  if (bias.has_value() && bias->defined()) out.add_(*bias);
+  return out;
+}
