@@ -12,6 +12,7 @@ using NoGil = py::call_guard<py::gil_scoped_release>;
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_pack", &gguf_pack, "GGUF blocks in groups of 8 rows with interleaved blocks");
   m.def("gguf_linear", &gguf_linear, NoGil(), "x @ dequant(w).T from packed GGUF blocks (fp32 accumulate)");
+  m.def("gguf_pack_int8", &gguf_pack_int8, "GGUF blocks in gguf_linear_int8's layout (outputs in lanes for Q4_0/Q4_1/Q8_0)");
   m.def("gguf_linear_int8", &gguf_linear_int8, NoGil(),
         "x @ dequant(w).T from packed GGUF blocks with x quantised to int8 per 32 (llama.cpp's numerics)");
   m.def("gguf_rows", &gguf_rows, "dequantised rows of a GGUF matrix");

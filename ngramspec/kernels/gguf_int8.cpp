@@ -24,9 +24,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "ops.h"
 #include "vec_math.h"
 
 namespace {
@@ -46,6 +48,7 @@ using ngramspec::kQ5_1;
 using ngramspec::kQ5_K;
 using ngramspec::kQ6_K;
 using ngramspec::kQ8_0;
+using ngramspec::half_to_float;
 using ngramspec::level;
 
 // Q6_K's levels are shifted by 32 in w = A * (u - 32): its two 16-weight halves have their own A,
@@ -391,7 +394,157 @@ void matmul_groups(const QuantRows& a, int64_t M, const uint8_t* w, int64_t row_
 
 #endif
 
+
+// ---------------------------------------------------------------- outputs in lanes (Q4_0, Q4_1, Q8_0)
+//
+// The most common legacy types run a second formulation, ggml's repacked "8 outputs x 4 weights"
+// one: a group's 8 outputs lie in a register's 8 int32 lanes, each lane the dot of 4 weights
+// with the same 4 activations (broadcast), so a 32-weight chunk is 8 such steps for all 8
+// outputs at once and no lane reduction is left. Per output, per chunk: one exact integer sum,
+// then acc = fma(sum, A * d, acc) and mins = fma(B, d * sum a, mins); out = acc + mins. A
+// chunk costs about a third of the instructions of the form above. Packed once
+// (gguf_pack_lanes): per group and chunk, the levels for [quad q][output o][4 weights] (Q4:
+// 4 quads of bytes holding k = 4q.. in the low nibble and 16 + 4q.. in the high one; Q8_0: 8
+// quads of signed bytes), then fp16 A[8] (and B[8] for Q4_1), the block's own half floats.
+
+constexpr bool lanes_type(int64_t qtype) { return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0; }
+constexpr int64_t lanes_plane(int64_t qtype) { return qtype == kQ8_0 ? 256 : 128; }
+constexpr int64_t lanes_bytes(int64_t qtype) {  // a group's chunk
+  return lanes_plane(qtype) + 16 + (qtype == kQ4_1 ? 16 : 0);
+}
+
+#if defined(__AVX512F__) || NGRAMSPEC_AVX2
+
+// MR rows x the 8 outputs of one group (`gp`: its C chunks of lanes_bytes).
+template <int64_t Q, int MR>
+void lanes_tile(const QuantRows& a, int64_t m0, int64_t rows, const uint8_t* gp, float* out, int64_t ldo,
+                int64_t ncols) {
+  constexpr int64_t plane = lanes_plane(Q), stride = lanes_bytes(Q);
+  __m256 acc[MR], mins[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
+  for (int64_t ch = 0; ch < a.C; ++ch) {
+    const uint8_t* p = gp + ch * stride;
+    __m256i lv[8];
+    if constexpr (Q == kQ8_0) {
+      for (int q = 0; q < 8; ++q) lv[q] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * q));
+    } else {
+      const __m256i low4 = _mm256_set1_epi8(0x0F);
+      for (int q = 0; q < 4; ++q) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * q));
+        lv[q] = _mm256_and_si256(raw, low4);
+        lv[q + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+      }
+    }
+    const __m256 A = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + plane)));
+    __m256 B = _mm256_setzero_ps();
+    if constexpr (Q == kQ4_1) B = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + plane + 16)));
+    if constexpr (Q == kQ4_0) B = _mm256_mul_ps(A, _mm256_set1_ps(-8.0f));  // exact
+    for (int r = 0; r < MR && r < rows; ++r) {
+      const int8_t* aq = a.qs(m0 + r, ch);
+      __m256i isum = _mm256_setzero_si256();
+      for (int q = 0; q < 8; ++q) {
+        const __m256i av = _mm256_set1_epi32(static_cast<int>(ngramspec::load_u32(reinterpret_cast<const uint8_t*>(aq + 4 * q))));
+        if constexpr (Q == kQ8_0)
+          isum = dot_lanes(isum, _mm256_sign_epi8(lv[q], lv[q]), _mm256_sign_epi8(av, lv[q]));
+        else
+          isum = dot_lanes(isum, lv[q], av);
+      }
+      const float d = a.d[(m0 + r) * a.C + ch];
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(A, _mm256_set1_ps(d)), acc[r]);
+      if constexpr (Q != kQ8_0)
+        mins[r] = _mm256_fmadd_ps(B, _mm256_set1_ps(a.dsum[(m0 + r) * a.C + ch]), mins[r]);
+    }
+  }
+  for (int r = 0; r < MR && r < rows; ++r) {
+    float v[8];
+    _mm256_storeu_ps(v, _mm256_add_ps(acc[r], mins[r]));
+    for (int c = 0; c < ncols && c < 8; ++c) out[r * ldo + c] = v[c];
+  }
+}
+
+#if defined(__AVX512F__)
+constexpr int kLanesMR = 8;  // of 32 registers (8 hold the levels)
+#else
+constexpr int kLanesMR = 2;  // of 16 registers
+#endif
+
+template <int64_t Q>
+void lanes_groups(const QuantRows& a, int64_t M, const uint8_t* w, float* out, int64_t N, int64_t g0, int64_t g1) {
+  const int64_t group_bytes = a.C * lanes_bytes(Q);
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t m = 0; m < M; m += kLanesMR) {
+      const int64_t rows = std::min<int64_t>(kLanesMR, M - m);
+      if (rows == 1)
+        lanes_tile<Q, 1>(a, m, 1, w + g * group_bytes, out + m * N + g * kPack, N, N - g * kPack);
+      else
+        lanes_tile<Q, kLanesMR>(a, m, rows, w + g * group_bytes, out + m * N + g * kPack, N, N - g * kPack);
+    }
+}
+
+#else  // the same integer sums and float operations, output by output
+
+template <int64_t Q>
+void lanes_groups(const QuantRows& a, int64_t M, const uint8_t* w, float* out, int64_t N, int64_t g0, int64_t g1) {
+  constexpr int64_t plane = lanes_plane(Q), stride = lanes_bytes(Q);
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t o = 0; o < kPack && g * kPack + o < N; ++o) {
+        float acc = 0.0f, mins = 0.0f;
+        for (int64_t ch = 0; ch < a.C; ++ch) {
+          const uint8_t* p = w + g * a.C * stride + ch * stride;
+          const int8_t* aq = a.qs(m, ch);
+          int32_t isum = 0;
+          for (int k = 0; k < kChunk; ++k) {
+            const int q = k / 4, b = k % 4;
+            int level;
+            if (Q == kQ8_0)
+              level = static_cast<int8_t>(p[(q * kPack + o) * 4 + b]);
+            else
+              level = (p[((q % 4) * kPack + o) * 4 + b] >> (q < 4 ? 0 : 4)) & 0xF;
+            isum += level * aq[k];
+          }
+          const float A = half_to_float(p + plane + 2 * o);
+          const float B = Q == kQ4_1 ? half_to_float(p + plane + 16 + 2 * o) : -8.0f * A;
+          acc = std::fma(static_cast<float>(isum), A * a.d[m * a.C + ch], acc);
+          if (Q != kQ8_0) mins = std::fma(B, a.dsum[m * a.C + ch], mins);
+        }
+        out[m * N + g * kPack + o] = acc + mins;
+      }
+}
+
+#endif
+
 }  // namespace
+
+// GGUF blocks [N, row_bytes] of a type that runs outputs in lanes (Q4_0, Q4_1, Q8_0) -> that
+// layout, [ceil(N / 8), K / 32 * lanes_bytes] (see above); other types -> gguf_pack's.
+torch::Tensor gguf_pack_int8(const torch::Tensor& w, int64_t qtype, int64_t K) {
+  if (!lanes_type(qtype)) return gguf_pack(w, qtype, K);
+  check_weight(w, qtype, K);
+  const int64_t N = w.size(0), groups = (N + kPack - 1) / kPack, C = K / kChunk, bb = block_bytes_of(qtype);
+  const int64_t plane = lanes_plane(qtype), stride = lanes_bytes(qtype);
+  const int nib = qtype == kQ4_1 ? 4 : 2;  // where a block's levels start
+  torch::Tensor out = torch::zeros({groups, C * stride}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t g = n / kPack, o = n % kPack;
+    for (int64_t ch = 0; ch < C; ++ch) {
+      const uint8_t* b = src + n * w.size(1) + ch * bb;
+      uint8_t* p = dst + g * C * stride + ch * stride;
+      for (int k = 0; k < kChunk; ++k) {
+        const int q = k / 4, i = k % 4;
+        if (qtype == kQ8_0)
+          p[(q * kPack + o) * 4 + i] = b[2 + k];
+        else if (k < 16)  // byte k holds levels k (low nibble) and k + 16 (high), as in the block
+          p[(q * kPack + o) * 4 + i] = b[nib + k];
+      }
+      std::memcpy(p + plane + 2 * o, b, 2);                                   // A: d
+      if (qtype == kQ4_1) std::memcpy(p + plane + 16 + 2 * o, b + 2, 2);  // B: m
+    }
+  }
+  return out;
+}
 
 // x: [M, K] float32 -> [M, N] float32, with w: GGUF blocks of type qtype packed by gguf_pack;
 // x is quantised to int8 per 32 values first (see the top).
@@ -400,9 +553,19 @@ torch::Tensor gguf_linear_int8(const torch::Tensor& x, const torch::Tensor& w, i
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
               "gguf_linear_int8: x must be a 2-D CPU float32 tensor");
   const int64_t M = x.size(0), K = x.size(1);
-  check_weight(w, qtype, K);
-  TORCH_CHECK(w.size(0) % kPack == 0 && N > w.size(0) - kPack && N <= w.size(0), "gguf_linear_int8: ", N,
-              " outputs do not fit packed weights of ", w.size(0), " rows (see gguf_pack)");
+  ngramspec::block_bytes(qtype);  // names an unknown type
+  TORCH_CHECK(K % block_weights_of(qtype) == 0, "GGUF row length ", K, " is not a multiple of ",
+              block_weights_of(qtype), " (type ", qtype, ")");
+  if (lanes_type(qtype)) {
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == K / kChunk * lanes_bytes(qtype) && N > (w.size(0) - 1) * kPack &&
+                    N <= w.size(0) * kPack,
+                "gguf_linear_int8: weights of shape ", w.sizes(), " are not ", N, " outputs of ", K,
+                " inputs packed by gguf_pack_int8");
+  } else {
+    check_weight(w, qtype, K);
+    TORCH_CHECK(w.size(0) % kPack == 0 && N > w.size(0) - kPack && N <= w.size(0), "gguf_linear_int8: ", N,
+                " outputs do not fit packed weights of ", w.size(0), " rows (see gguf_pack)");
+  }
   torch::Tensor out = torch::empty({M, N}, x.options());
   if (M == 0) return out;
   const torch::Tensor xc = x.contiguous();
@@ -412,13 +575,16 @@ torch::Tensor gguf_linear_int8(const torch::Tensor& x, const torch::Tensor& w, i
   const int64_t row_bytes = w.size(1), groups = (N + kPack - 1) / kPack;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     switch (qtype) {
+      case kQ4_0: lanes_groups<kQ4_0>(a, M, wp, op, N, g0, g1); return;
+      case kQ4_1: lanes_groups<kQ4_1>(a, M, wp, op, N, g0, g1); return;
+      case kQ8_0: lanes_groups<kQ8_0>(a, M, wp, op, N, g0, g1); return;
+      default: break;
+    }
+    switch (qtype) {
 #define NGRAMSPEC_CASE(Q) \
   case Q: matmul_groups<Q>(a, M, wp, row_bytes, op, N, g0, g1); break;
-      NGRAMSPEC_CASE(kQ4_0)
-      NGRAMSPEC_CASE(kQ4_1)
       NGRAMSPEC_CASE(kQ5_0)
       NGRAMSPEC_CASE(kQ5_1)
-      NGRAMSPEC_CASE(kQ8_0)
       NGRAMSPEC_CASE(kQ4_K)
       NGRAMSPEC_CASE(kQ5_K)
       NGRAMSPEC_CASE(kQ6_K)

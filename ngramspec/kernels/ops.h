@@ -8,6 +8,7 @@
 torch::Tensor gguf_pack(const torch::Tensor& w, int64_t qtype, int64_t K);
 torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t N,
                           const c10::optional<torch::Tensor>& bias);
+torch::Tensor gguf_pack_int8(const torch::Tensor& w, int64_t qtype, int64_t K);
 torch::Tensor gguf_linear_int8(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t N,
                                const c10::optional<torch::Tensor>& bias);
 torch::Tensor gguf_rows(const torch::Tensor& w, const torch::Tensor& ids, int64_t qtype, int64_t K);
