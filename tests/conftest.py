@@ -373,3 +373,15 @@ def assert_no_kv_leak(engine: LLMEngine) -> None:
     cache = engine.scheduler.cache
     if not engine.has_unfinished() and cache is not None:
         assert cache.num_evictable == cache.num_nodes, "a finished request still locks the cache"
+
+
+@pytest.fixture
+def llama_server_stub(tmp_path: Path) -> Path:
+    """An executable stand-in for llama-server (tests/llama_server_stub.py)."""
+    import sys
+
+    stub = tmp_path / "llama-server"
+    source = (Path(__file__).parent / "llama_server_stub.py").read_text()
+    stub.write_text(f"#!{sys.executable}\n{source}")
+    stub.chmod(0o755)
+    return stub

@@ -5,45 +5,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from ngramspec.bench import llama_server_bench as bench
 
-# A stand-in for llama-server: /health, /v1/models, and /v1/completions answering greedy-like
-# text that depends on the prompt, except that its --spec-type ngram-simple mode changes it.
-FAKE = r'''
-import json, sys
-from http.server import BaseHTTPRequestHandler, HTTPServer
-args = sys.argv[1:]
-port = int(args[args.index("--port") + 1])
-simple = "ngram-simple" in args
-class H(BaseHTTPRequestHandler):
-    def log_message(self, *a): pass
-    def _send(self, body):
-        data = json.dumps(body).encode()
-        self.send_response(200); self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
-    def do_GET(self):
-        self._send({"status": "ok"} if self.path == "/health" else {"data": [{"id": "fake"}]})
-    def do_POST(self):
-        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        assert req["model"] == "fake" and req["temperature"] == 0.0
-        text = "x" * (sum(req["prompt"]) % 7) + ("!" if simple else "")
-        self._send({"choices": [{"text": text}], "usage": {"completion_tokens": req["max_tokens"]}})
-HTTPServer(("127.0.0.1", port), H).serve_forever()
-'''
 
-
-def test_the_harness_times_every_server_and_counts_equal_outputs(tmp_path: Path, monkeypatch) -> None:
-    fake = tmp_path / "llama-server"
-    fake.write_text(f"#!{sys.executable}\n{FAKE}")
-    fake.chmod(0o755)
+def test_the_harness_times_every_server_and_counts_equal_outputs(tmp_path: Path, monkeypatch,
+                                                                  llama_server_stub: Path) -> None:
     prompts = [bench.BenchPrompt(f"p{i}", "chat", f"question {i}") for i in range(3)]
     monkeypatch.setattr(bench, "workload_prompts", lambda name, limit: prompts[:limit])
-    args = argparse.Namespace(model=None, llama_server=str(fake), workloads=["chat", "summarize"],
+    args = argparse.Namespace(model=None, llama_server=str(llama_server_stub),
+                              workloads=["chat", "summarize"],
                               modes=["ngram-mod", "ngram-simple"], limit=2, max_tokens=5, threads=2,
                               isa=None, start_timeout=60.0, log_dir=str(tmp_path / "logs"), json=True)
     r = bench.run(args)

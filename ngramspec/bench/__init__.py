@@ -11,7 +11,7 @@ WEIGHT_MODES: dict[str, dict[str, str]] = {
     "float32": dict(dtype="float32", quantization="none"),
     "bfloat16": dict(dtype="bfloat16", quantization="none"),
     "gguf": dict(quantization="gguf", gguf_activations="float32"),  # GGUF block kernels, bf16 K/V
-    "gguf-int8": dict(quantization="gguf", gguf_activations="int8"),  # int8 activations, as llama.cpp
+    "gguf-int8": dict(quantization="gguf", gguf_activations="int8"),  # llama.cpp's numerics
     "gguf-kv-fp32": dict(quantization="gguf", gguf_activations="float32", kv_cache_dtype="float32"),
 }
 

@@ -127,6 +127,8 @@ def servers(model: Path, llama_server: Path | None, threads: int, modes: list[st
 def workload_prompts(name: str, limit: int) -> list[BenchPrompt]:
     from ngramspec.bench import workloads
 
+    if name not in MAX_TOKENS:  # before reading any data
+        raise ValueError(f"unknown workload {name!r}: choose from {', '.join(MAX_TOKENS)}")
     if name == "code_edit":  # one edit kind each, then the first `limit`
         return workloads.code_edit(1)[:limit]
     if name == "humaneval":
@@ -134,9 +136,7 @@ def workload_prompts(name: str, limit: int) -> list[BenchPrompt]:
     bench = workloads.spec_bench()
     if name == "summarize":
         return [p for p in bench if p.category == "summarization"][:limit]
-    if name == "chat":
-        return workloads.limit_per_category([p for p in bench if p.category in CHAT_CATEGORIES], 1)[:limit]
-    raise ValueError(f"unknown workload {name!r}: choose from {', '.join(MAX_TOKENS)}")
+    return workloads.limit_per_category([p for p in bench if p.category in CHAT_CATEGORIES], 1)[:limit]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -139,8 +139,9 @@ def print_results(r: dict[str, Any]) -> None:
                 "free-run matching prefix"):
         table.add_column(col, justify="right")
     for m in r["modes"]:
-        table.add_row(m["mode"], str(m["positions"]), f"{m['argmax_agreement']:.4f}",
-                      "-" if m["mean_kl"] is None else f"{m['mean_kl']:.5f}", f"{m['mean_matching_prefix']:.1f}")
+        kl = "-" if m["mean_kl"] is None else f"{m['mean_kl']:.5f}"
+        table.add_row(m["mode"], str(m["positions"]), f"{m['argmax_agreement']:.4f}", kl,
+                      f"{m['mean_matching_prefix']:.1f}")
     Console().print(table)
 
 

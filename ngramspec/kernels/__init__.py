@@ -30,7 +30,8 @@ from pathlib import Path
 from types import ModuleType
 
 _SOURCES = [Path(__file__).with_name(f) for f in (
-    "gguf_kernels.cpp", "gguf_int8.cpp", "amx_linear.cpp", "amx_dense.cpp", "attention.cpp", "layer_ops.cpp", "decoder_stack.cpp",
+    "gguf_kernels.cpp", "gguf_int8.cpp", "amx_linear.cpp", "amx_dense.cpp", "attention.cpp",
+    "layer_ops.cpp", "decoder_stack.cpp",
     "bindings.cpp")]
 
 

@@ -7,16 +7,18 @@
 // ~5 instructions a chunk. That changes the numbers, so it is a mode (EngineConfig.
 // gguf_activations) chosen by `bench quality`, never a silent substitute.
 //
-// A chunk's weights are unsigned levels u in [0, 2^bits) (Q8_0: signed, via the sign trick) with
-// w = A * (u - offset) + B, A and B from the block (chunk_scale). With activations x ~ d * a:
+// A chunk's weights are levels u with w = A * (u - offset) + B, A and B from the block
+// (chunk_scale). With activations x ~ d * a:
 //   sum w x = d * A * (sum u a - offset * sum a) + B * d * sum a.
-// Each output's sum, in one fixed order whatever the number of rows, the tile or the thread:
-// per chunk, 8 int32 lanes (lane l: the exact integer dot of k = 4l .. 4l + 3, less Q6_K's offset
-// times the lane's activations) are converted and accumulated by fma(lanes, A * d, acc) into 8
-// fp32 lanes; then one 8-lane reduction, plus the B terms (the other types' offsets folded in)
-// summed chunk by chunk. A row is bitwise the same alone
-// or in a batch, so speculation stays lossless within this mode. AVX2, AVX-512 (256-bit ops, VNNI
-// where present) and the scalar tier compute the same integers and the same float operations.
+// Each output's sum is formed in one fixed order whatever the number of rows, the tile or the
+// thread, so a row is bitwise the same alone or in a batch and speculation stays lossless within
+// this mode. AVX2, AVX-512 (256-bit ops, VNNI where present) and the scalar tier compute the same
+// integers and the same float operations. Two forms, by type (each type always runs its own):
+// - Q4_0, Q4_1, Q8_0 (below, "outputs in lanes"): one exact integer sum per output and chunk.
+// - Q5_0, Q5_1, Q4_K, Q5_K, Q6_K ("per output"): per chunk, 8 int32 lanes (lane l: the exact
+//   integer dot of k = 4l .. 4l + 3, less Q6_K's offset times the lane's activations) accumulated
+//   by fma(lanes, A * d, acc) into 8 fp32 lanes, then one 8-lane reduction.
+// Both add the B terms (mins, and the Q4_0 / Q5_0 offsets folded in) summed chunk by chunk.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -33,23 +35,7 @@
 
 namespace {
 
-using ngramspec::block_bytes_of;
-using ngramspec::block_weights_of;
-using ngramspec::check_weight;
-using ngramspec::chunk_scale;
-using ngramspec::ChunkScale;
-using ngramspec::kChunk;
-using ngramspec::kPack;
-using ngramspec::kQ4_0;
-using ngramspec::kQ4_1;
-using ngramspec::kQ4_K;
-using ngramspec::kQ5_0;
-using ngramspec::kQ5_1;
-using ngramspec::kQ5_K;
-using ngramspec::kQ6_K;
-using ngramspec::kQ8_0;
-using ngramspec::half_to_float;
-using ngramspec::level;
+using namespace ngramspec;  // gguf_blocks.h's layouts
 
 // Q6_K's levels are shifted by 32 in w = A * (u - 32): its two 16-weight halves have their own A,
 // so the shift is taken off in integers, per lane. The other types fold theirs into a B term:
@@ -61,7 +47,7 @@ constexpr bool has_min(int64_t qtype) { return qtype != kQ8_0 && qtype != kQ6_K;
 struct QuantRows {
   int64_t K = 0, C = 0;
   std::vector<int8_t> q;         // [M, K]: round(x / d), |q| <= 127
-  std::vector<int32_t> ncorr;    // [M, C, 8]: -lane_offset * (q[4l] + ... + q[4l + 3]) for lane l
+  std::vector<int32_t> ncorr;    // [M, C, 8]: -offset * (q[4l] + ... + q[4l + 3]); empty if no offset
   std::vector<float> d;          // [M, C]: max|x| / 127
   std::vector<float> dsum;       // [M, C]: d * (sum of the chunk's q), for B terms
 
@@ -75,7 +61,7 @@ QuantRows quantize_rows(const float* x, int64_t M, int64_t K, int offset) {
   a.K = K;
   a.C = K / kChunk;
   a.q.resize(static_cast<size_t>(M * K));
-  a.ncorr.resize(static_cast<size_t>(M * a.C * 8));
+  a.ncorr.resize(offset ? static_cast<size_t>(M * a.C * 8) : 0);
   a.d.resize(static_cast<size_t>(M * a.C));
   a.dsum.resize(static_cast<size_t>(M * a.C));
   for (int64_t m = 0; m < M; ++m)
@@ -85,7 +71,6 @@ QuantRows quantize_rows(const float* x, int64_t M, int64_t K, int offset) {
       for (int i = 0; i < kChunk; ++i) amax = std::max(amax, std::fabs(xc[i]));
       const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
       int8_t* q = a.q.data() + m * K + c * kChunk;
-      int32_t* corr = a.ncorr.data() + (m * a.C + c) * 8;
       int sum = 0;
       for (int l = 0; l < 8; ++l) {
         int lane = 0;
@@ -93,7 +78,7 @@ QuantRows quantize_rows(const float* x, int64_t M, int64_t K, int offset) {
           q[i] = static_cast<int8_t>(std::nearbyint(xc[i] * id));
           lane += q[i];
         }
-        corr[l] = -offset * lane;
+        if (offset) a.ncorr[(m * a.C + c) * 8 + l] = -offset * lane;
         sum += lane;
       }
       a.d[m * a.C + c] = d;
@@ -107,30 +92,25 @@ inline void chunk_factors(int64_t qtype, const uint8_t* b, int j, float& a_lo, f
   const ChunkScale s = chunk_scale(qtype, b, j);
   a_lo = s.d;
   a_hi = qtype == kQ6_K ? s.d2 : s.d;
-  bmin = qtype == kQ5_0 ? -16.0f * s.d : has_min(qtype) ? s.m : 0.0f;  // Q4_0's m is -8 d
+  bmin = qtype == kQ5_0 ? -16.0f * s.d : has_min(qtype) ? s.m : 0.0f;
 }
 
 #if defined(__AVX512F__) || NGRAMSPEC_AVX2
 
-// Chunk j's 32 levels as bytes in k order: unsigned u for every type but Q8_0 (signed).
+// Chunk j's 32 unsigned levels as bytes in k order (the per-output types).
 template <int64_t Q>
 inline __m256i chunk_levels(const uint8_t* b, int j) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  if constexpr (Q == kQ4_0 || Q == kQ4_1 || Q == kQ5_0 || Q == kQ5_1) {
-    constexpr int off = Q == kQ4_0 ? 2 : Q == kQ4_1 ? 4 : Q == kQ5_0 ? 6 : 8;  // the nibbles
+  if constexpr (Q == kQ5_0 || Q == kQ5_1) {
+    constexpr int off = Q == kQ5_0 ? 6 : 8;  // the nibbles; qh, 32 fifth bits, just before
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + off));
-    __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
-    if constexpr (Q == kQ5_0 || Q == kQ5_1) {  // bit i of qh is weight i's fifth bit
-      const __m256i spread = _mm256_shuffle_epi8(
-          _mm256_set1_epi32(static_cast<int>(ngramspec::load_u32(b + off - 4))),
-          _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
-      const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-      const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-      u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
-    }
-    return u;
-  } else if constexpr (Q == kQ8_0) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+    const __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
+    const __m256i spread = _mm256_shuffle_epi8(  // byte i gets qh's byte i / 8
+        _mm256_set1_epi32(static_cast<int>(load_u32(b + off - 4))),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
   } else if constexpr (Q == kQ4_K || Q == kQ5_K) {
     const uint8_t* qs = b + (Q == kQ4_K ? 16 : 48) + (j / 2) * 32;
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
@@ -170,49 +150,34 @@ inline float reduce8(__m256 v) {
   return _mm_cvtss_f32(u) + _mm_cvtss_f32(_mm_shuffle_ps(u, u, _MM_SHUFFLE(1, 1, 1, 1)));
 }
 
-// MR rows x NR outputs of one packed group: each chunk's levels decoded once, used by every row.
-template <int64_t Q, int MR, int NR>
-void tile(const QuantRows& a, int64_t m0, const uint8_t* w, float* out, int64_t ldo, int64_t ncols) {
+// One row x NR outputs of one packed group, each chunk's levels decoded in registers.
+template <int64_t Q, int NR>
+void row_tile(const QuantRows& a, const uint8_t* w, float* out, int64_t ncols) {
   constexpr int64_t bb = block_bytes_of(Q), chunks = block_weights_of(Q) / kChunk;
-  constexpr bool offset = lane_offset(Q) != 0, minus = has_min(Q);
-  __m256 acc[MR][NR];
-  float mins[MR][NR];
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NR; ++c) {
-      acc[r][c] = _mm256_setzero_ps();
-      mins[r][c] = 0.0f;
-    }
+  __m256 acc[NR];
+  float mins[NR];
+  for (int c = 0; c < NR; ++c) {
+    acc[c] = _mm256_setzero_ps();
+    mins[c] = 0.0f;
+  }
   for (int64_t ch = 0; ch < a.C; ++ch) {
     const int64_t blk = ch / chunks;
     const int j = static_cast<int>(ch % chunks);
-    __m256i u[NR];
-    __m256 scale[NR];
-    float bmin[NR];
+    const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs(0, ch)));
+    const __m256 d = _mm256_set1_ps(a.d[ch]);
+    const __m256i base = lane_offset(Q) ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.corr(0, ch)))
+                                        : _mm256_setzero_si256();
     for (int c = 0; c < NR; ++c) {
       const uint8_t* b = w + (blk * kPack + c) * bb;
-      float lo, hi;
-      chunk_factors(Q, b, j, lo, hi, bmin[c]);
-      u[c] = chunk_levels<Q>(b, j);
-      scale[c] = _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo));  // lanes 4..7: k = 16..31
-    }
-    for (int r = 0; r < MR; ++r) {
-      const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs(m0 + r, ch)));
-      const __m256 d = _mm256_set1_ps(a.d[(m0 + r) * a.C + ch]);
-      const __m256i base = offset ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.corr(m0 + r, ch)))
-                                  : _mm256_setzero_si256();
-      for (int c = 0; c < NR; ++c) {
-        __m256i lanes;
-        if constexpr (Q == kQ8_0)
-          lanes = dot_lanes(base, _mm256_sign_epi8(u[c], u[c]), _mm256_sign_epi8(av, u[c]));
-        else
-          lanes = dot_lanes(base, u[c], av);
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_mul_ps(scale[c], d), acc[r][c]);
-        if constexpr (minus) mins[r][c] = std::fma(bmin[c], a.dsum[(m0 + r) * a.C + ch], mins[r][c]);
-      }
+      float lo, hi, bmin;
+      chunk_factors(Q, b, j, lo, hi, bmin);
+      const __m256 scale = _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo));  // lanes 4..7: k = 16..31
+      const __m256i lanes = dot_lanes(base, chunk_levels<Q>(b, j), av);
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_mul_ps(scale, d), acc[c]);
+      if constexpr (has_min(Q)) mins[c] = std::fma(bmin, a.dsum[ch], mins[c]);
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NR && c < ncols; ++c) out[r * ldo + c] = reduce8(acc[r][c]) + mins[r][c];
+  for (int c = 0; c < NR && c < ncols; ++c) out[c] = reduce8(acc[c]) + mins[c];
 }
 
 // Tile shapes by register count: kDecodeNR outputs for one row (levels decoded in registers);
@@ -246,7 +211,7 @@ void decode_group(const uint8_t* w, int64_t C, Panel& p) {
 }
 
 // MR rows x NR outputs (from output c0 of the panel): sum of the chunks' lanes times A * d, where
-// sd_lo / sd_hi [rows][C][8] hold those products (the same float products tile() forms).
+// sd_lo / sd_hi [rows][C][8] hold those products (the same float products row_tile() forms).
 template <int64_t Q, int MR, int NR>
 void panel_tile(const QuantRows& a, int64_t m0, const Panel& p, int64_t c0, const float* sd_lo,
                 const float* sd_hi, float* out, int64_t ldo, int64_t ncols) {
@@ -256,27 +221,18 @@ void panel_tile(const QuantRows& a, int64_t m0, const Panel& p, int64_t c0, cons
     for (int c = 0; c < NR; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t ch = 0; ch < a.C; ++ch) {
     __m256i u[NR];
-    for (int c = 0; c < NR; ++c) {
+    for (int c = 0; c < NR; ++c)
       u[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.u.data() + (ch * kPack + c0 + c) * kChunk));
-      if constexpr (Q == kQ8_0) u[c] = _mm256_sign_epi8(u[c], u[c]);  // |w|; the sign goes to a
-    }
     for (int r = 0; r < MR; ++r) {
       const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs(m0 + r, ch)));
       const __m256i base = offset ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.corr(m0 + r, ch)))
                                   : _mm256_setzero_si256();
       const int64_t at = (r * a.C + ch) * kPack + c0;
       for (int c = 0; c < NR; ++c) {
-        __m256i lanes;
-        if constexpr (Q == kQ8_0) {
-          const __m256i w = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(p.u.data() + (ch * kPack + c0 + c) * kChunk));
-          lanes = dot_lanes(base, u[c], _mm256_sign_epi8(av, w));
-        } else {
-          lanes = dot_lanes(base, u[c], av);
-        }
-        const __m256 s = Q == kQ6_K ? _mm256_set_m128(_mm_broadcast_ss(sd_hi + at + c), _mm_broadcast_ss(sd_lo + at + c))
-                                    : _mm256_broadcast_ss(sd_lo + at + c);
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), s, acc[r][c]);
+        const __m256 s = Q == kQ6_K
+                             ? _mm256_set_m128(_mm_broadcast_ss(sd_hi + at + c), _mm_broadcast_ss(sd_lo + at + c))
+                             : _mm256_broadcast_ss(sd_lo + at + c);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_lanes(base, u[c], av)), s, acc[r][c]);
       }
     }
   }
@@ -335,8 +291,7 @@ void matmul_groups(const QuantRows& a, int64_t M, const uint8_t* w, int64_t row_
   if (M == 1) {
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t c = 0; c < kPack && g * kPack + c < N; c += kDecodeNR)
-        tile<Q, 1, kDecodeNR>(a, 0, w + g * kPack * row_bytes + c * bb, out + g * kPack + c, N,
-                              N - g * kPack - c);
+        row_tile<Q, kDecodeNR>(a, w + g * kPack * row_bytes + c * bb, out + g * kPack + c, N - g * kPack - c);
     return;
   }
   // Rows go in chunks whose activations (~2 bytes a value with the lane sums) and scale products
@@ -356,7 +311,7 @@ void matmul_groups(const QuantRows& a, int64_t M, const uint8_t* w, int64_t row_
 
 #else  // no vector path: the same integers and float operations, lane by lane
 
-// u of chunk j's weight i (level() folds Q5_0's and Q6_K's shifts in; Q4_0's lies in its m).
+// u of chunk j's weight i (level() folds Q5_0's and Q6_K's shifts in).
 inline int unsigned_level(int64_t qtype, const uint8_t* b, int j, int i) {
   return level(qtype, b, j, i) + (qtype == kQ5_0 ? 16 : qtype == kQ6_K ? 32 : 0);
 }
@@ -375,10 +330,9 @@ void matmul_groups(const QuantRows& a, int64_t M, const uint8_t* w, int64_t row_
         float lo, hi, bmin;
         chunk_factors(Q, b, j, lo, hi, bmin);
         const int8_t* q = a.qs(m, ch);
-        const int32_t* corr = a.corr(m, ch);
         const float d = a.d[m * a.C + ch];
         for (int l = 0; l < 8; ++l) {
-          int32_t lane = corr[l];
+          int32_t lane = lane_offset(Q) ? a.corr(m, ch)[l] : 0;
           for (int i = 4 * l; i < 4 * l + 4; ++i) lane += unsigned_level(Q, b, j, i) * q[i];
           acc[l] = std::fma(static_cast<float>(lane), (l < 4 ? lo : hi) * d, acc[l]);
         }
@@ -402,8 +356,8 @@ void matmul_groups(const QuantRows& a, int64_t M, const uint8_t* w, int64_t row_
 // with the same 4 activations (broadcast), so a 32-weight chunk is 8 such steps for all 8
 // outputs at once and no lane reduction is left. Per output, per chunk: one exact integer sum,
 // then acc = fma(sum, A * d, acc) and mins = fma(B, d * sum a, mins); out = acc + mins. A
-// chunk costs about a third of the instructions of the form above. Packed once
-// (gguf_pack_lanes): per group and chunk, the levels for [quad q][output o][4 weights] (Q4:
+// chunk costs about a third of the instructions of the per-output form. Packed once
+// (gguf_pack_int8): per group and chunk, the levels for [quad q][output o][4 weights] (Q4:
 // 4 quads of bytes holding k = 4q.. in the low nibble and 16 + 4q.. in the high one; Q8_0: 8
 // quads of signed bytes), then fp16 A[8] (and B[8] for Q4_1), the block's own half floats.
 
@@ -443,7 +397,7 @@ void lanes_tile(const QuantRows& a, int64_t m0, int64_t rows, const uint8_t* gp,
       const int8_t* aq = a.qs(m0 + r, ch);
       __m256i isum = _mm256_setzero_si256();
       for (int q = 0; q < 8; ++q) {
-        const __m256i av = _mm256_set1_epi32(static_cast<int>(ngramspec::load_u32(reinterpret_cast<const uint8_t*>(aq + 4 * q))));
+        const __m256i av = _mm256_set1_epi32(static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(aq + 4 * q))));
         if constexpr (Q == kQ8_0)
           isum = dot_lanes(isum, _mm256_sign_epi8(lv[q], lv[q]), _mm256_sign_epi8(av, lv[q]));
         else
@@ -451,7 +405,7 @@ void lanes_tile(const QuantRows& a, int64_t m0, int64_t rows, const uint8_t* gp,
       }
       const float d = a.d[(m0 + r) * a.C + ch];
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(A, _mm256_set1_ps(d)), acc[r]);
-      if constexpr (Q != kQ8_0)
+      if constexpr (has_min(Q))
         mins[r] = _mm256_fmadd_ps(B, _mm256_set1_ps(a.dsum[(m0 + r) * a.C + ch]), mins[r]);
     }
   }
@@ -506,7 +460,7 @@ void lanes_groups(const QuantRows& a, int64_t M, const uint8_t* w, float* out, i
           const float A = half_to_float(p + plane + 2 * o);
           const float B = Q == kQ4_1 ? half_to_float(p + plane + 16 + 2 * o) : -8.0f * A;
           acc = std::fma(static_cast<float>(isum), A * a.d[m * a.C + ch], acc);
-          if (Q != kQ8_0) mins = std::fma(B, a.dsum[m * a.C + ch], mins);
+          if (has_min(Q)) mins = std::fma(B, a.dsum[m * a.C + ch], mins);
         }
         out[m * N + g * kPack + o] = acc + mins;
       }
@@ -546,14 +500,14 @@ torch::Tensor gguf_pack_int8(const torch::Tensor& w, int64_t qtype, int64_t K) {
   return out;
 }
 
-// x: [M, K] float32 -> [M, N] float32, with w: GGUF blocks of type qtype packed by gguf_pack;
-// x is quantised to int8 per 32 values first (see the top).
+// x: [M, K] float32 -> [M, N] float32, with w: GGUF blocks of type qtype packed by
+// gguf_pack_int8; x is quantised to int8 per 32 values first (see the top).
 torch::Tensor gguf_linear_int8(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t N,
                                const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
               "gguf_linear_int8: x must be a 2-D CPU float32 tensor");
   const int64_t M = x.size(0), K = x.size(1);
-  ngramspec::block_bytes(qtype);  // names an unknown type
+  block_bytes(qtype);  // names an unknown type
   TORCH_CHECK(K % block_weights_of(qtype) == 0, "GGUF row length ", K, " is not a multiple of ",
               block_weights_of(qtype), " (type ", qtype, ")");
   if (lanes_type(qtype)) {
@@ -575,12 +529,9 @@ torch::Tensor gguf_linear_int8(const torch::Tensor& x, const torch::Tensor& w, i
   const int64_t row_bytes = w.size(1), groups = (N + kPack - 1) / kPack;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     switch (qtype) {
-      case kQ4_0: lanes_groups<kQ4_0>(a, M, wp, op, N, g0, g1); return;
-      case kQ4_1: lanes_groups<kQ4_1>(a, M, wp, op, N, g0, g1); return;
-      case kQ8_0: lanes_groups<kQ8_0>(a, M, wp, op, N, g0, g1); return;
-      default: break;
-    }
-    switch (qtype) {
+      case kQ4_0: lanes_groups<kQ4_0>(a, M, wp, op, N, g0, g1); break;
+      case kQ4_1: lanes_groups<kQ4_1>(a, M, wp, op, N, g0, g1); break;
+      case kQ8_0: lanes_groups<kQ8_0>(a, M, wp, op, N, g0, g1); break;
 #define NGRAMSPEC_CASE(Q) \
   case Q: matmul_groups<Q>(a, M, wp, row_bytes, op, N, g0, g1); break;
       NGRAMSPEC_CASE(kQ5_0)

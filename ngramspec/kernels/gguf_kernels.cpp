@@ -40,25 +40,7 @@
 
 namespace {
 
-using ngramspec::block_bytes;
-using ngramspec::block_bytes_of;
-using ngramspec::block_weights_of;
-using ngramspec::check_weight;
-using ngramspec::chunk_scale;
-using ngramspec::ChunkScale;
-using ngramspec::half_to_float;
-using ngramspec::kChunk;
-using ngramspec::kPack;
-using ngramspec::kQ4_0;
-using ngramspec::kQ4_1;
-using ngramspec::kQ4_K;
-using ngramspec::kQ5_0;
-using ngramspec::kQ5_1;
-using ngramspec::kQ5_K;
-using ngramspec::kQ6_K;
-using ngramspec::kQ8_0;
-using ngramspec::level;
-using ngramspec::load_u32;
+using namespace ngramspec;  // gguf_blocks.h's layouts
 
 inline bool scaled_only(int64_t qtype) { return qtype == kQ5_0 || qtype == kQ8_0 || qtype == kQ6_K; }
 
@@ -77,7 +59,6 @@ inline void dequant_chunk_scalar(int64_t qtype, const uint8_t* b, int j, float* 
 
 #if defined(NGRAMSPEC_SIMD16)
 
-namespace simd = ngramspec::simd;
 using simd::F;
 using simd::I;
 

@@ -96,12 +96,13 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] float32 -> [T, out]
         if self.uses_amx:
             return self._kernels.amx_linear(x, self.blocks, self.qtype, self.bias)
-        if self.int8:
-            return self._kernels.gguf_linear_int8(x, self.blocks, self.qtype, self.out_features, self.bias)
-        return self._kernels.gguf_linear(x, self.blocks, self.qtype, self.out_features, self.bias)
+        linear = self._kernels.gguf_linear_int8 if self.int8 else self._kernels.gguf_linear
+        return linear(x, self.blocks, self.qtype, self.out_features, self.bias)
 
     def extra_repr(self) -> str:
-        kernel = "amx" if self.uses_amx else self._kernels.vector_isa() + (" int8" if self.int8 else "")
+        kernel = "amx" if self.uses_amx else self._kernels.vector_isa()
+        if self.int8:
+            kernel += " int8"
         return f"{self.in_features}, {self.out_features}, {type_name(self.qtype)}, {kernel}"
 
 

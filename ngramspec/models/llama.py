@@ -237,7 +237,8 @@ class DecoderStack:
             return None
         if not all(_layer_fits(layer, model.cfg.rms_norm_eps) for layer in model.layers):
             return None
-        modes = {m.int8 for layer in model.layers for matrix in _matrices(layer) for m in _pieces(matrix)}
+        modes = {m.int8 for layer in model.layers for matrix in _matrices(layer)
+                 for m in _pieces(matrix)}
         return cls(model, ops) if len(modes) == 1 else None
 
     def __call__(self, x: torch.Tensor, rotary: RotaryTable, cache: KVCache,
