@@ -216,10 +216,10 @@ def test_bad_shapes_and_types_are_named():
     # Q4_1 runs outputs in lanes from gguf_pack_int8's layout, not gguf_pack's
     with pytest.raises(RuntimeError, match="packed by gguf_pack_int8"):
         cpu_kernels().gguf_linear_int8(torch.randn(2, 64), packed, weight.qtype, 8, None)
-    q5, _ = _weight(Q.Q5_0, 8, 64, seed=0)  # a type in gguf_pack's layout
-    q5_packed = cpu_kernels().gguf_pack_int8(q5.blocks, q5.qtype, 64)
+    q4k, _ = _weight(Q.Q4_K, 8, 256, seed=0)  # a type in gguf_pack's layout
+    q4k_packed = cpu_kernels().gguf_pack_int8(q4k.blocks, q4k.qtype, 256)
     with pytest.raises(RuntimeError, match="bytes a row"):
-        cpu_kernels().gguf_linear_int8(torch.randn(2, 96), q5_packed, q5.qtype, 8, None)
+        cpu_kernels().gguf_linear_int8(torch.randn(2, 512), q4k_packed, q4k.qtype, 8, None)
 
 
 def test_quantization_auto_picks_the_gguf_kernels_for_a_gguf_model_on_cpu():

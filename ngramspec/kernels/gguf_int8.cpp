@@ -14,8 +14,9 @@
 // thread, so a row is bitwise the same alone or in a batch and speculation stays lossless within
 // this mode. AVX2, AVX-512 (256-bit ops, VNNI where present) and the scalar tier compute the same
 // integers and the same float operations. Two forms, by type (each type always runs its own):
-// - Q4_0, Q4_1, Q8_0 (below, "outputs in lanes"): one exact integer sum per output and chunk.
-// - Q5_0, Q5_1, Q4_K, Q5_K, Q6_K ("per output"): per chunk, 8 int32 lanes (lane l: the exact
+// - Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (below, "outputs in lanes"): one exact integer sum per output
+//   and chunk.
+// - Q4_K, Q5_K, Q6_K ("per output"): per chunk, 8 int32 lanes (lane l: the exact
 //   integer dot of k = 4l .. 4l + 3, less Q6_K's offset times the lane's activations) accumulated
 //   by fma(lanes, A * d, acc) into 8 fp32 lanes, then one 8-lane reduction.
 // Both add the B terms (mins, and the Q4_0 / Q5_0 offsets folded in) summed chunk by chunk.
@@ -92,7 +93,7 @@ inline void chunk_factors(int64_t qtype, const uint8_t* b, int j, float& a_lo, f
   const ChunkScale s = chunk_scale(qtype, b, j);
   a_lo = s.d;
   a_hi = qtype == kQ6_K ? s.d2 : s.d;
-  bmin = qtype == kQ5_0 ? -16.0f * s.d : has_min(qtype) ? s.m : 0.0f;
+  bmin = has_min(qtype) ? s.m : 0.0f;
 }
 
 #if defined(__AVX512F__) || NGRAMSPEC_AVX2
@@ -101,17 +102,7 @@ inline void chunk_factors(int64_t qtype, const uint8_t* b, int j, float& a_lo, f
 template <int64_t Q>
 inline __m256i chunk_levels(const uint8_t* b, int j) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  if constexpr (Q == kQ5_0 || Q == kQ5_1) {
-    constexpr int off = Q == kQ5_0 ? 6 : 8;  // the nibbles; qh, 32 fifth bits, just before
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + off));
-    const __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
-    const __m256i spread = _mm256_shuffle_epi8(  // byte i gets qh's byte i / 8
-        _mm256_set1_epi32(static_cast<int>(load_u32(b + off - 4))),
-        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
-    const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-    return _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
-  } else if constexpr (Q == kQ4_K || Q == kQ5_K) {
+  if constexpr (Q == kQ4_K || Q == kQ5_K) {
     const uint8_t* qs = b + (Q == kQ4_K ? 16 : 48) + (j / 2) * 32;
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
     __m256i u = _mm256_and_si256(_mm256_srli_epi16(raw, 4 * (j & 1)), low4);
@@ -311,9 +302,9 @@ void matmul_groups(const QuantRows& a, int64_t M, const uint8_t* w, int64_t row_
 
 #else  // no vector path: the same integers and float operations, lane by lane
 
-// u of chunk j's weight i (level() folds Q5_0's and Q6_K's shifts in).
+// u of chunk j's weight i (level() folds Q6_K's shift in).
 inline int unsigned_level(int64_t qtype, const uint8_t* b, int j, int i) {
-  return level(qtype, b, j, i) + (qtype == kQ5_0 ? 16 : qtype == kQ6_K ? 32 : 0);
+  return level(qtype, b, j, i) + (qtype == kQ6_K ? 32 : 0);
 }
 
 template <int64_t Q>
@@ -349,23 +340,31 @@ void matmul_groups(const QuantRows& a, int64_t M, const uint8_t* w, int64_t row_
 #endif
 
 
-// ---------------------------------------------------------------- outputs in lanes (Q4_0, Q4_1, Q8_0)
+// ------------------------------------------------ outputs in lanes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
 //
-// The most common legacy types run a second formulation, ggml's repacked "8 outputs x 4 weights"
+// The legacy 32-weight types run a second formulation, ggml's repacked "8 outputs x 4 weights"
 // one: a group's 8 outputs lie in a register's 8 int32 lanes, each lane the dot of 4 weights
 // with the same 4 activations (broadcast), so a 32-weight chunk is 8 such steps for all 8
 // outputs at once and no lane reduction is left. Per output, per chunk: one exact integer sum,
 // then acc = fma(sum, A * d, acc) and mins = fma(B, d * sum a, mins); out = acc + mins. A
 // chunk costs about a third of the instructions of the per-output form. Packed once
-// (gguf_pack_int8): per group and chunk, the levels for [quad q][output o][4 weights] (Q4:
-// 4 quads of bytes holding k = 4q.. in the low nibble and 16 + 4q.. in the high one; Q8_0: 8
-// quads of signed bytes), then fp16 A[8] (and B[8] for Q4_1), the block's own half floats.
+// (gguf_pack_int8): per group and chunk, register r's 32 bytes [output o][4 weights] hold the
+// levels of k = 4r .. 4r + 3 (Q8_0: 8 registers of signed bytes; the 4- and 5-bit types: 4
+// registers of bytes with r = 0..3 in the low nibble and r + 4 in the high one, then for Q5 a
+// 32-byte plane whose byte o * 4 + i has bit r = the fifth bit of register r's byte), then fp16
+// A[8] (and B[8] for Q4_1 / Q5_1), the block's own half floats. Same bytes as the blocks.
 
-constexpr bool lanes_type(int64_t qtype) { return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0; }
-constexpr int64_t lanes_plane(int64_t qtype) { return qtype == kQ8_0 ? 256 : 128; }
-constexpr int64_t lanes_bytes(int64_t qtype) {  // a group's chunk
-  return lanes_plane(qtype) + 16 + (qtype == kQ4_1 ? 16 : 0);
+constexpr bool lanes_type(int64_t qtype) {
+  return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ5_1 || qtype == kQ8_0;
 }
+constexpr bool five_bit(int64_t qtype) { return qtype == kQ5_0 || qtype == kQ5_1; }
+constexpr bool half_min(int64_t qtype) { return qtype == kQ4_1 || qtype == kQ5_1; }  // B stored
+constexpr int64_t lanes_plane(int64_t qtype) { return qtype == kQ8_0 ? 256 : five_bit(qtype) ? 160 : 128; }
+constexpr int64_t lanes_bytes(int64_t qtype) {  // a group's chunk
+  return lanes_plane(qtype) + 16 + (half_min(qtype) ? 16 : 0);
+}
+// Q4_0's and Q5_0's B, as a multiple of A (exact in float).
+constexpr float lanes_shift(int64_t qtype) { return qtype == kQ5_0 ? -16.0f : -8.0f; }
 
 #if defined(__AVX512F__) || NGRAMSPEC_AVX2
 
@@ -388,11 +387,19 @@ void lanes_tile(const QuantRows& a, int64_t m0, int64_t rows, const uint8_t* gp,
         lv[q] = _mm256_and_si256(raw, low4);
         lv[q + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
       }
+      if constexpr (five_bit(Q)) {  // bit r of the plane's bytes to bit 4 of register r's
+        const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128));
+        const __m256i bit4 = _mm256_set1_epi8(0x10);
+        for (int r = 0; r < 8; ++r) {  // 16-bit shifts by <= 4 keep each byte's bit 4 its own
+          const __m256i at4 = r <= 4 ? _mm256_slli_epi16(hb, 4 - r) : _mm256_srli_epi16(hb, r - 4);
+          lv[r] = _mm256_or_si256(lv[r], _mm256_and_si256(at4, bit4));
+        }
+      }
     }
     const __m256 A = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + plane)));
     __m256 B = _mm256_setzero_ps();
-    if constexpr (Q == kQ4_1) B = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + plane + 16)));
-    if constexpr (Q == kQ4_0) B = _mm256_mul_ps(A, _mm256_set1_ps(-8.0f));  // exact
+    if constexpr (half_min(Q)) B = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + plane + 16)));
+    if constexpr (Q == kQ4_0 || Q == kQ5_0) B = _mm256_mul_ps(A, _mm256_set1_ps(lanes_shift(Q)));
     for (int r = 0; r < MR && r < rows; ++r) {
       const int8_t* aq = a.qs(m0 + r, ch);
       __m256i isum = _mm256_setzero_si256();
@@ -455,10 +462,11 @@ void lanes_groups(const QuantRows& a, int64_t M, const uint8_t* w, float* out, i
               level = static_cast<int8_t>(p[(q * kPack + o) * 4 + b]);
             else
               level = (p[((q % 4) * kPack + o) * 4 + b] >> (q < 4 ? 0 : 4)) & 0xF;
+            if (five_bit(Q)) level |= ((p[128 + o * 4 + b] >> q) & 1) << 4;
             isum += level * aq[k];
           }
           const float A = half_to_float(p + plane + 2 * o);
-          const float B = Q == kQ4_1 ? half_to_float(p + plane + 16 + 2 * o) : -8.0f * A;
+          const float B = half_min(Q) ? half_to_float(p + plane + 16 + 2 * o) : lanes_shift(Q) * A;
           acc = std::fma(static_cast<float>(isum), A * a.d[m * a.C + ch], acc);
           if (has_min(Q)) mins = std::fma(B, a.dsum[m * a.C + ch], mins);
         }
@@ -470,14 +478,15 @@ void lanes_groups(const QuantRows& a, int64_t M, const uint8_t* w, float* out, i
 
 }  // namespace
 
-// GGUF blocks [N, row_bytes] of a type that runs outputs in lanes (Q4_0, Q4_1, Q8_0) -> that
-// layout, [ceil(N / 8), K / 32 * lanes_bytes] (see above); other types -> gguf_pack's.
+// GGUF blocks [N, row_bytes] of a type that runs outputs in lanes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+// -> that layout, [ceil(N / 8), K / 32 * lanes_bytes] (see above); other types -> gguf_pack's.
 torch::Tensor gguf_pack_int8(const torch::Tensor& w, int64_t qtype, int64_t K) {
   if (!lanes_type(qtype)) return gguf_pack(w, qtype, K);
   check_weight(w, qtype, K);
   const int64_t N = w.size(0), groups = (N + kPack - 1) / kPack, C = K / kChunk, bb = block_bytes_of(qtype);
   const int64_t plane = lanes_plane(qtype), stride = lanes_bytes(qtype);
-  const int nib = qtype == kQ4_1 ? 4 : 2;  // where a block's levels start
+  // Where a block's nibbles start: after d (and m), and for Q5 the 32 fifth bits qh.
+  const int nib = (half_min(qtype) ? 4 : 2) + (five_bit(qtype) ? 4 : 0);
   torch::Tensor out = torch::zeros({groups, C * stride}, w.options());
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
@@ -492,9 +501,11 @@ torch::Tensor gguf_pack_int8(const torch::Tensor& w, int64_t qtype, int64_t K) {
           p[(q * kPack + o) * 4 + i] = b[2 + k];
         else if (k < 16)  // byte k holds levels k (low nibble) and k + 16 (high), as in the block
           p[(q * kPack + o) * 4 + i] = b[nib + k];
+        if (five_bit(qtype))  // register q = k / 4's fifth bit, from qh's bit k
+          p[128 + o * 4 + i] |= static_cast<uint8_t>(((load_u32(b + nib - 4) >> k) & 1) << q);
       }
       std::memcpy(p + plane + 2 * o, b, 2);                                   // A: d
-      if (qtype == kQ4_1) std::memcpy(p + plane + 16 + 2 * o, b + 2, 2);  // B: m
+      if (half_min(qtype)) std::memcpy(p + plane + 16 + 2 * o, b + 2, 2);  // B: m
     }
   }
   return out;
@@ -531,11 +542,11 @@ torch::Tensor gguf_linear_int8(const torch::Tensor& x, const torch::Tensor& w, i
     switch (qtype) {
       case kQ4_0: lanes_groups<kQ4_0>(a, M, wp, op, N, g0, g1); break;
       case kQ4_1: lanes_groups<kQ4_1>(a, M, wp, op, N, g0, g1); break;
+      case kQ5_0: lanes_groups<kQ5_0>(a, M, wp, op, N, g0, g1); break;
+      case kQ5_1: lanes_groups<kQ5_1>(a, M, wp, op, N, g0, g1); break;
       case kQ8_0: lanes_groups<kQ8_0>(a, M, wp, op, N, g0, g1); break;
 #define NGRAMSPEC_CASE(Q) \
   case Q: matmul_groups<Q>(a, M, wp, row_bytes, op, N, g0, g1); break;
-      NGRAMSPEC_CASE(kQ5_0)
-      NGRAMSPEC_CASE(kQ5_1)
       NGRAMSPEC_CASE(kQ4_K)
       NGRAMSPEC_CASE(kQ5_K)
       NGRAMSPEC_CASE(kQ6_K)
