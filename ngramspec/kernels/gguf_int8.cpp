@@ -368,6 +368,38 @@ constexpr float lanes_shift(int64_t qtype) { return qtype == kQ5_0 ? -16.0f : -8
 
 #if defined(__AVX512F__) || NGRAMSPEC_AVX2
 
+// One chunk's exact integer sums for a group's 8 outputs: registers lv[8] of levels against
+// row aq's 32 activations, 4 at a time broadcast. Without VNNI, maddubs' int16 pair sums of
+// several registers are added in int16 before one madd: a pair is at most 2 * 127 * (15 for
+// Q4, 31 for Q5), so 8 (Q4) or 4 (Q5) of them stay within 32767 and the sum is still exact.
+template <int64_t Q>
+inline __m256i chunk_dot(const __m256i* lv, const int8_t* aq) {
+  const auto act = [aq](int q) {
+    return _mm256_set1_epi32(static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(aq + 4 * q))));
+  };
+  __m256i isum = _mm256_setzero_si256();
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+  for (int q = 0; q < 8; ++q) {
+    if constexpr (Q == kQ8_0)
+      isum = dot_lanes(isum, _mm256_sign_epi8(lv[q], lv[q]), _mm256_sign_epi8(act(q), lv[q]));
+    else
+      isum = dot_lanes(isum, lv[q], act(q));
+  }
+#else
+  constexpr int per_madd = Q == kQ8_0 ? 1 : five_bit(Q) ? 4 : 8;
+  for (int q0 = 0; q0 < 8; q0 += per_madd) {
+    __m256i pairs = _mm256_setzero_si256();
+    for (int q = q0; q < q0 + per_madd; ++q) {
+      const __m256i p = Q == kQ8_0 ? _mm256_maddubs_epi16(_mm256_sign_epi8(lv[q], lv[q]), _mm256_sign_epi8(act(q), lv[q]))
+                                   : _mm256_maddubs_epi16(lv[q], act(q));
+      pairs = _mm256_add_epi16(pairs, p);
+    }
+    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+#endif
+  return isum;
+}
+
 // MR rows x the 8 outputs of one group (`gp`: its C chunks of lanes_bytes).
 template <int64_t Q, int MR>
 void lanes_tile(const QuantRows& a, int64_t m0, int64_t rows, const uint8_t* gp, float* out, int64_t ldo,
@@ -401,15 +433,7 @@ void lanes_tile(const QuantRows& a, int64_t m0, int64_t rows, const uint8_t* gp,
     if constexpr (half_min(Q)) B = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + plane + 16)));
     if constexpr (Q == kQ4_0 || Q == kQ5_0) B = _mm256_mul_ps(A, _mm256_set1_ps(lanes_shift(Q)));
     for (int r = 0; r < MR && r < rows; ++r) {
-      const int8_t* aq = a.qs(m0 + r, ch);
-      __m256i isum = _mm256_setzero_si256();
-      for (int q = 0; q < 8; ++q) {
-        const __m256i av = _mm256_set1_epi32(static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(aq + 4 * q))));
-        if constexpr (Q == kQ8_0)
-          isum = dot_lanes(isum, _mm256_sign_epi8(lv[q], lv[q]), _mm256_sign_epi8(av, lv[q]));
-        else
-          isum = dot_lanes(isum, lv[q], av);
-      }
+      const __m256i isum = chunk_dot<Q>(lv, a.qs(m0 + r, ch));
       const float d = a.d[(m0 + r) * a.C + ch];
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(A, _mm256_set1_ps(d)), acc[r]);
       if constexpr (has_min(Q))
