@@ -2,7 +2,7 @@
 
 /health and /v1/models answer as llama-server does. /v1/completions answers greedy-like text that
 depends on the prompt, changed by `--spec-type ngram-simple` (a speculative mode that is not
-lossless); /completion (llama-server's own endpoint) repeats the prompt's last token.
+lossless), one token long unless `ignore_eos` asks for max_tokens; /completion (llama-server's own endpoint) repeats the prompt's last token.
 """
 
 import json
@@ -36,7 +36,8 @@ class Handler(BaseHTTPRequestHandler):
             return
         assert req["model"] == "fake"
         text = "x" * (sum(req["prompt"]) % 7) + ("!" if self.simple else "")
-        self._send({"choices": [{"text": text}], "usage": {"completion_tokens": req["max_tokens"]}})
+        tokens = req["max_tokens"] if req["ignore_eos"] else 1  # an early end of text otherwise
+        self._send({"choices": [{"text": text}], "usage": {"completion_tokens": tokens}})
 
 
 if __name__ == "__main__":

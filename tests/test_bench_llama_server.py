@@ -19,7 +19,8 @@ def test_the_harness_times_every_server_and_counts_equal_outputs(tmp_path: Path,
     args = argparse.Namespace(model=None, llama_server=str(llama_server_stub),
                               workloads=["chat", "summarize"],
                               modes=["ngram-mod", "ngram-simple"], limit=2, max_tokens=5, threads=2,
-                              isa=None, start_timeout=60.0, log_dir=str(tmp_path / "logs"), json=True)
+                              isa=None, start_timeout=60.0, log_dir=str(tmp_path / "logs"), json=True,
+                              ignore_eos=True)
     r = bench.run(args)
     assert set(r["workloads"]) == {"chat", "summarize"}
     for row in r["workloads"].values():
@@ -27,8 +28,12 @@ def test_the_harness_times_every_server_and_counts_equal_outputs(tmp_path: Path,
         assert set(row["tok_s"]) == {"llama plain", "llama ngram-mod", "llama ngram-simple"}
         assert all(v > 0 for v in row["tok_s"].values())
         assert row["equal_to_plain"] == {"llama ngram-mod": 2, "llama ngram-simple": 0}
+        assert set(row["completion_tokens"].values()) == {2 * 5}  # ignore_eos: max_tokens each
     assert set(r["all"]) == set(r["workloads"]["chat"]["tok_s"])
     json.dumps(r)  # the --json output
+    args.ignore_eos = False  # the stand-in then ends each text after one token
+    r = bench.run(args)
+    assert set(r["workloads"]["chat"]["completion_tokens"].values()) == {2}
 
 
 def test_servers_are_composed_from_the_modes(tmp_path: Path) -> None:

@@ -216,9 +216,11 @@ def test_bad_shapes_and_types_are_named():
     # Q4_1 runs outputs in lanes from gguf_pack_int8's layout, not gguf_pack's
     with pytest.raises(RuntimeError, match="packed by gguf_pack_int8"):
         cpu_kernels().gguf_linear_int8(torch.randn(2, 64), packed, weight.qtype, 8, None)
-    q4k, _ = _weight(Q.Q4_K, 8, 256, seed=0)  # a type in gguf_pack's layout
+    q4k, _ = _weight(Q.Q4_K, 8, 256, seed=0)
+    with pytest.raises(RuntimeError, match="bytes a row"):  # blocks of another row length
+        cpu_kernels().gguf_pack_int8(q4k.blocks, q4k.qtype, 512)
     q4k_packed = cpu_kernels().gguf_pack_int8(q4k.blocks, q4k.qtype, 256)
-    with pytest.raises(RuntimeError, match="bytes a row"):
+    with pytest.raises(RuntimeError, match="are not 8 outputs of 512 inputs"):
         cpu_kernels().gguf_linear_int8(torch.randn(2, 512), q4k_packed, q4k.qtype, 8, None)
 
 

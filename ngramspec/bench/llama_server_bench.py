@@ -70,10 +70,10 @@ class Server:
             time.sleep(0.5)
         raise SystemExit(f"{self.name} was not ready within {timeout_s:.0f} s")
 
-    def complete(self, prompt: list[int], max_tokens: int) -> tuple[str, int, float]:
+    def complete(self, prompt: list[int], max_tokens: int, ignore_eos: bool = False) -> tuple[str, int, float]:
         """(text, completion tokens, seconds) of one greedy /v1/completions request."""
         body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                           "temperature": 0.0}).encode()
+                           "temperature": 0.0, "ignore_eos": ignore_eos}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
         t = time.perf_counter()
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"model": model.name, "threads": args.threads, "isa": args.isa or "native",
-                               "workloads": {}}
+                               "ignore_eos": args.ignore_eos, "workloads": {}}
     try:
         for s in pool:  # one at a time: a loading server is not timed against another's start
             s.start(log_dir)
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for i, prompt in enumerate(ids):
                 order = pool[i % len(pool):] + pool[:i % len(pool)]
                 for s in order:
-                    text, n, sec = s.complete(prompt, args.max_tokens or MAX_TOKENS[w])
+                    text, n, sec = s.complete(prompt, args.max_tokens or MAX_TOKENS[w], args.ignore_eos)
                     texts[s.name].append(text)
                     tokens[s.name] += n
                     seconds[s.name] += sec
@@ -181,6 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results["workloads"][w] = {
                 "num_prompts": len(ids), "prompt_tokens": sum(len(p) for p in ids),
                 "tok_s": {name: tokens[name] / seconds[name] for name in texts},
+                "completion_tokens": tokens,
                 "equal_to_plain": {name: sum(a == b for a, b in zip(texts[name], texts[_plain_of(name)]))
                                    for name in texts if _plain_of(name) in texts and name != _plain_of(name)}}
     finally:
@@ -239,6 +240,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--limit", type=int, default=3, help="prompts a workload")
     p.add_argument("--max-tokens", type=int, default=None, help="completion tokens a request "
                    f"(default per workload: {MAX_TOKENS})")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="every request runs to --max-tokens, so both servers do the same work: an "
+                   "output that ends early is mostly prefill, which skews its tok/s")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--isa", default=None, help="NGRAMSPEC_CPU_ISA for our server (default: native)")
     p.add_argument("--start-timeout", type=float, default=900.0, help="seconds a server may take to start")

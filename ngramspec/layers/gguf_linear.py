@@ -86,7 +86,7 @@ class GGUFLinear(nn.Module):
         blocks = weight.blocks.contiguous()
         if self.uses_amx:
             blocks = self._kernels.amx_pack(blocks, self.qtype, self.in_features)
-        elif int8:  # Q4_0/Q4_1/Q8_0: 8 outputs' levels side by side (gguf_int8.cpp)
+        elif int8:  # 8 outputs' levels side by side (gguf_int8.cpp)
             blocks = self._kernels.gguf_pack_int8(blocks, self.qtype, self.in_features)
         else:  # 8 rows' blocks interleaved: one contiguous stream per 8-output tile
             blocks = self._kernels.gguf_pack(blocks, self.qtype, self.in_features)
