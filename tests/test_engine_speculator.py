@@ -15,6 +15,7 @@ from ngramspec.engine.scheduler import Schedule, ScheduledChunk
 from ngramspec.engine.sequence import Sequence
 from ngramspec.engine.speculator import (
     IDLE_AFTER,
+    IDLE_DRAFT_SHARE,
     IDLE_PROBE_EVERY,
     PER_TREE_OVERHEAD_S,
     TREE_STEP_OVERHEAD_S,
@@ -197,11 +198,23 @@ def _decode_schedule(n: int) -> Schedule:
     return Schedule([ScheduledChunk(s, 2, [1 + s.seq_id]) for s in seqs], [], 10_000)
 
 
+class _Clock:
+    """A clock that moves `tick` seconds a reading: each drafting call takes `tick`."""
+
+    def __init__(self, tick: float) -> None:
+        self.now, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
 def test_drafting_pauses_while_sized_trees_keep_nothing_and_probes():
     # A verify cost that rises steeply: no draft ever pays, so the sized trees are empty.
     steep = VerifyCost([1, 2, 64], [0.01, 0.05, 5.0])
     drafter = _CountingDrafter([0.05, 0.04, 0.03])
-    spec = Speculator(DrafterConfig(), drafter, steep)
+    # drafting a batch takes 1 s, far above IDLE_DRAFT_SHARE of a plain step: pausing pays
+    spec = Speculator(DrafterConfig(), drafter, steep, clock=_Clock(1.0))
     steps = IDLE_AFTER + 3 * IDLE_PROBE_EVERY
     for _ in range(steps):
         assert not any(t.num_drafts for t in spec.propose(_decode_schedule(4)).values())
@@ -209,6 +222,19 @@ def test_drafting_pauses_while_sized_trees_keep_nothing_and_probes():
     # Another batch-size bucket has its own record; it drafts until it learns the same.
     spec.propose(_decode_schedule(40))
     assert drafter.calls == IDLE_AFTER + 4
+
+
+def test_cheap_drafting_never_pauses():
+    """Where drafting costs little of a step, a pause would save little and miss the first steps
+    of a repeat: the drafter keeps looking, and drafts as soon as its trees pay."""
+    curve = VerifyCost([1, 4, 8, 64], [0.01, 0.01, 0.016, 0.5])  # 4 decodes + 4 drafts: 1.6x
+    drafter = _CountingDrafter([0.05, 0.04, 0.03])
+    spec = Speculator(DrafterConfig(), drafter, curve, clock=_Clock(IDLE_DRAFT_SHARE * curve(4) / 2))
+    for _ in range(IDLE_AFTER + 2 * IDLE_PROBE_EVERY):
+        assert not any(t.num_drafts for t in spec.propose(_decode_schedule(4)).values())
+    assert drafter.calls == IDLE_AFTER + 2 * IDLE_PROBE_EVERY
+    drafter.probs = [0.99, 0.98, 0.97]  # a loop starts: its first step drafts
+    assert all(t.num_drafts for t in spec.propose(_decode_schedule(4)).values())
 
 
 def test_drafting_never_pauses_while_drafts_pay():
