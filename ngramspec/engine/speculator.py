@@ -170,8 +170,8 @@ class Speculator:
 
 # Drafting pauses at a batch size after IDLE_AFTER sized steps in a row kept no draft there, if it
 # costs IDLE_DRAFT_SHARE of a plain step or more, and drafts again one step in IDLE_PROBE_EVERY
-# (Speculator._idle_skip). Bundled chat, Q4_0, AVX2 tier, one request: drafting took 0.2-0.5 ms of
-# an 8-12 ms step, and drafting on through the pauses gave 1.17x the tok/s (loops were caught).
+# (Speculator._idle_skip): a pause saves only the drafting, a few percent of a step at one request
+# on a CPU, and costs the first steps of every repeat that starts while paused.
 IDLE_AFTER = 8
 IDLE_PROBE_EVERY = 16
 IDLE_DRAFT_SHARE = 0.1
