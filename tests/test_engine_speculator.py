@@ -229,7 +229,8 @@ def test_cheap_drafting_never_pauses():
     of a repeat: the drafter keeps looking, and drafts as soon as its trees pay."""
     curve = VerifyCost([1, 4, 8, 64], [0.01, 0.01, 0.016, 0.5])  # 4 decodes + 4 drafts: 1.6x
     drafter = _CountingDrafter([0.05, 0.04, 0.03])
-    spec = Speculator(DrafterConfig(), drafter, curve, clock=_Clock(IDLE_DRAFT_SHARE * curve(4) / 2))
+    cheap = _Clock(IDLE_DRAFT_SHARE * curve(4) / 2)  # half the share of a plain step
+    spec = Speculator(DrafterConfig(), drafter, curve, clock=cheap)
     for _ in range(IDLE_AFTER + 2 * IDLE_PROBE_EVERY):
         assert not any(t.num_drafts for t in spec.propose(_decode_schedule(4)).values())
     assert drafter.calls == IDLE_AFTER + 2 * IDLE_PROBE_EVERY

@@ -70,7 +70,8 @@ class Server:
             time.sleep(0.5)
         raise SystemExit(f"{self.name} was not ready within {timeout_s:.0f} s")
 
-    def complete(self, prompt: list[int], max_tokens: int, ignore_eos: bool = False) -> tuple[str, int, float]:
+    def complete(self, prompt: list[int], max_tokens: int,
+                 ignore_eos: bool = False) -> tuple[str, int, float]:
         """(text, completion tokens, seconds) of one greedy /v1/completions request."""
         body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                            "temperature": 0.0, "ignore_eos": ignore_eos}).encode()

@@ -49,6 +49,11 @@ class Schedule:
     def chunks(self) -> list[ScheduledChunk]:
         return self.decodes + self.prefills
 
+    @property
+    def base_tokens(self) -> int:
+        """Query tokens before any draft: one a decode, a prefill's chunk."""
+        return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
+
     def __bool__(self) -> bool:
         return bool(self.decodes or self.prefills)
 

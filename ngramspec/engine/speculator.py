@@ -75,7 +75,7 @@ class Speculator:
             return {}
         budget = min(self.config.num_draft_tokens, schedule.spare_tokens // len(chunks))
         bucket = batch_bucket(len(schedule.decodes))
-        if budget <= 0 or self._idle_skip(bucket, _base_tokens(schedule)):
+        if budget <= 0 or self._idle_skip(bucket, schedule.base_tokens):
             return {}
         start = self.clock()
         trees = self.drafter.propose([c.seq.request_id for c in chunks], [budget] * len(chunks))
@@ -116,7 +116,7 @@ class Speculator:
         calibrated = self.calibrator.correct_rows(raw)
         factors = np.array([self.per_request.factor(c.seq.seq_id) for c in chunks])
         probs = self.per_request.scale_rows(factors, calibrated)
-        base = _base_tokens(schedule)
+        base = schedule.base_tokens
         scale, penalty, probe = 1.0, 1.0, False
         if self.guard is not None:
             scale, penalty = self.guard.correction(len(schedule.decodes))
@@ -180,11 +180,6 @@ IDLE_DRAFT_SHARE = 0.1
 # tree that drafts anything (tree walk, slot bookkeeping, drafter feedback).
 TREE_STEP_OVERHEAD_S = 5e-4
 PER_TREE_OVERHEAD_S = 3e-4
-
-
-def _base_tokens(schedule: Schedule) -> int:
-    """Query tokens of the step before any draft: one a decode, a prefill's chunk."""
-    return len(schedule.decodes) + sum(c.num_tokens for c in schedule.prefills)
 
 
 def host_overhead(num_trees: int) -> float:

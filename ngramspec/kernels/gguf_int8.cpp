@@ -74,7 +74,9 @@ constexpr int64_t group_bytes(int64_t qtype, int64_t C) {
 constexpr int64_t record_at(int64_t qtype, int64_t ch) {  // in a group
   return ch * record_bytes(qtype) + (is_k_quant(qtype) ? (ch / 8 + 1) * head_bytes(qtype) : 0);
 }
-constexpr int64_t head_at(int64_t qtype, int64_t ch) { return (ch / 8) * (8 * record_bytes(qtype) + head_bytes(qtype)); }
+constexpr int64_t head_at(int64_t qtype, int64_t ch) {  // a super-block: its head, then 8 records
+  return (ch / 8) * (8 * record_bytes(qtype) + head_bytes(qtype));
+}
 
 // M rows of activations quantised per 32-value chunk (C = K / 32 chunks a row).
 struct QuantRows {
@@ -185,8 +187,9 @@ inline __m256i chunk_dot(const __m256i* lv, const int8_t* aq) {
   for (int q0 = R0; q0 < R1; q0 += per_madd) {
     __m256i pairs = _mm256_setzero_si256();
     for (int q = q0; q < q0 + per_madd && q < R1; ++q) {
-      const __m256i p = Q == kQ8_0 ? _mm256_maddubs_epi16(_mm256_sign_epi8(lv[q], lv[q]), _mm256_sign_epi8(act(q), lv[q]))
-                                   : _mm256_maddubs_epi16(lv[q], act(q));
+      const __m256i p = Q == kQ8_0
+                            ? _mm256_maddubs_epi16(_mm256_sign_epi8(lv[q], lv[q]), _mm256_sign_epi8(act(q), lv[q]))
+                            : _mm256_maddubs_epi16(lv[q], act(q));
       pairs = _mm256_add_epi16(pairs, p);
     }
     isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
