@@ -1,4 +1,5 @@
-# `make run` and `make test` each set everything up from nothing (.venv), then do their job.
+# `make run` and `make test` each set everything up from nothing (.venv) and compile the native
+# code (`ngramspec build`), then do their job.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -14,6 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	# Triton beside the venv, for tests/test_triton_attention.py's own process only (importing
 	# it where transformers runs makes every such process print binding-leak warnings at exit)
 	$(BIN)/pip install -q --no-deps --target $(VENV)/triton-site 'triton>=3.0'
+	$(BIN)/ngramspec build   # the native kernels and the drafter, once, with progress
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -9,13 +9,17 @@ import torch
 
 from ngramspec.drafting.config import DrafterConfig
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+# "half" and "float" are vLLM's spellings of float16 and float32.
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+           "fp16": torch.float16, "half": torch.float16}
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = None  # GGUF file or HF directory; None = bundled SmolLM2-135M-Instruct
+    # GGUF file, HF directory or an HF model id in the local HF cache (replaced by its local
+    # path at construction); None = bundled SmolLM2-135M-Instruct
+    model: str | None = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
     # "gguf": keep a GGUF model's block-quantised matrices (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/
@@ -64,6 +68,7 @@ class EngineConfig:
     draft_sizing: Literal["auto", "cost", "full"] = "auto"
 
     def __post_init__(self) -> None:
+        self._resolve_model_id()
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes",
                      "tensor_parallel_size"):
             value = getattr(self, name)
@@ -103,6 +108,16 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.draft_sizing={self.draft_sizing!r}: use auto, cost or full")
         if self.max_num_batched_tokens < self.drafter.draft_token_num:
             raise ValueError("max_num_batched_tokens must hold at least one draft tree")
+
+    def _resolve_model_id(self) -> None:
+        """An HF id becomes its cached local path now: a missing model fails at construction,
+        and everything after (the GGUF checks, tensor-parallel workers) sees a path."""
+        if self.model is None:
+            return
+        from ngramspec.models.loader import is_hf_model_id, resolve_hf_model
+
+        if is_hf_model_id(self.model):
+            self.model = str(resolve_hf_model(str(self.model)))
 
     @property
     def sizes_drafts(self) -> bool:

@@ -43,7 +43,7 @@ class RequestOutput:
 
 
 def output_text(seq: Sequence, tokenizer) -> str:
-    text = tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+    text = tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)
     return text if seq.stop_text_len is None else text[: seq.stop_text_len]
 
 

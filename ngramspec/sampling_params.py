@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ngramspec.structured.params import StructuredOutputsParams
@@ -34,10 +37,25 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for prompt tokens 2.. (raw: nothing processed them)
     # the output must match a JSON schema, regex, choice or grammar (vLLM's name and fields)
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's fields, vLLM's meaning. min_tokens: the first min_tokens output tokens cannot be
+    # EOS or a stop token id (they are masked) and no stop string may end inside their text.
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's)
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    bad_words: list[str] | None = None  # never completed: a word's last token is masked
+    include_stop_str_in_output: bool = False  # the matched stop string stays in the text
+    skip_special_tokens: bool = True  # special tokens are dropped from the output text
+    # Filled by the engine from the model (vLLM's update_from_tokenizer / _all_stop_token_ids):
+    # the EOS ids min_tokens masks besides stop_token_ids, and bad_words as token-id sequences.
+    _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    _bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.logit_bias, dict):
+            # JSON object keys are strings; vLLM takes {"50256": -100} too
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         _check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool),
                "max_tokens", self.max_tokens, "must be an integer")
         _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
@@ -77,6 +95,30 @@ class SamplingParams:
                or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", self.structured_outputs,
                "must be a StructuredOutputsParams or None")
+        self._check_vllm_fields()
+
+    def _check_vllm_fields(self) -> None:
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+               "min_tokens", self.min_tokens,
+               f"must be an integer in [0, max_tokens] (max_tokens={self.max_tokens})")
+        _check(self.logit_bias is None or (
+            isinstance(self.logit_bias, dict)
+            and all(_is_int(k) and k >= 0 for k in self.logit_bias)
+            and all(_is_number(v) and math.isfinite(v) for v in self.logit_bias.values())),
+            "logit_bias", self.logit_bias,
+            "must be None or a dict of token ids (>= 0) to finite numbers")
+        _check(self.allowed_token_ids is None or (
+            isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
+            and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+            "allowed_token_ids", self.allowed_token_ids,
+            "must be None or a non-empty list of token ids (>= 0)")
+        _check(self.bad_words is None or (
+            isinstance(self.bad_words, list)
+            and all(isinstance(w, str) and w.strip() for w in self.bad_words)),
+            "bad_words", self.bad_words, "must be None or a list of non-blank strings")
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name, getattr(self, name),
+                   "must be a bool")
 
     @property
     def greedy(self) -> bool:
@@ -88,9 +130,37 @@ class SamplingParams:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
 
+    @property
+    def processes_logits(self) -> bool:
+        """Whether sampling changes the raw logits before temperature (layers.sampler's
+        process_logits), so a row's argmax is not the token greedy decoding emits."""
+        return (self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+                or self.allowed_token_ids is not None or bool(self._bad_words_token_ids))
+
+    @property
+    def all_stop_token_ids(self) -> tuple[int, ...]:
+        """What min_tokens masks: stop_token_ids and the model's EOS ids (vLLM masks EOS even
+        with ignore_eos)."""
+        return tuple(dict.fromkeys([*self.stop_token_ids, *self._eos_token_ids]))
+
+    @property
+    def bad_words_token_ids(self) -> tuple[tuple[int, ...], ...]:
+        return self._bad_words_token_ids
+
 
 def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _token_key(key: object) -> object:
+    """A logit_bias key as a token id ("50256" -> 50256); anything else is left for the check."""
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    return key
 
 
 def _check(ok: bool, name: str, value: object, why: str) -> None:
@@ -105,3 +175,28 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     if params.seed is not None:
         fields["seed"] = params.seed + index
     return SamplingParams(**fields)
+
+
+def resolve_for_model(params: SamplingParams, eos_token_ids: Iterable[int],
+                      encode: Callable[[str], list[int]]) -> SamplingParams:
+    """`params` with what its logit processing needs from the model: the EOS ids (min_tokens
+    masks them) and bad_words as token ids (`encode`: text -> ids, no special tokens)."""
+    words = _bad_words_ids(params.bad_words or [], encode)
+    return dataclasses.replace(params, _eos_token_ids=tuple(eos_token_ids),
+                               _bad_words_token_ids=words)
+
+
+def _bad_words_ids(words: list[str], encode: Callable[[str], list[int]]
+                   ) -> tuple[tuple[int, ...], ...]:
+    """vLLM's rule: each word as it tokenises at the start of a text and, where that differs
+    and is as many tokens, after a space (a word in the middle of a text)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(encode(word.lstrip()))
+        if not plain:
+            continue
+        out.append(plain)
+        spaced = tuple(encode(" " + word.lstrip()))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return tuple(out)

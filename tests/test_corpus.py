@@ -328,7 +328,7 @@ def test_ngc_corrupt_and_wrong_kind(tmp_path):
 
 def test_corpus_cli_build_and_info(tmp_path, monkeypatch, capsys):
     pytest.importorskip("ngramspec.drafting.index.sam")
-    from ngramspec.cli_drafting import main
+    from ngramspec.cli import main
     from ngramspec.models import loader
 
     asked = []

@@ -19,7 +19,8 @@ from conftest import (
 from ngramspec import LLM, SamplingParams
 from ngramspec.drafting.config import DrafterConfig
 from ngramspec.drafting.tree import DraftTree
-from ngramspec.layers.sampler import apply_penalties, target_probs
+from ngramspec.layers.sampler import process_logits, target_probs
+from ngramspec.sampling_params import resolve_for_model
 
 FLAT_COST = [1.0] * 14  # verify cost independent of size: always draft the full tree
 
@@ -246,6 +247,47 @@ def test_stops_inside_an_accepted_run(llm, prompt_ids):
             assert text[: seq.stop_text_len] == ref.text
 
 
+def test_logit_processing_inside_an_accepted_run(llm, prompt_ids):
+    """logit_bias and min_tokens apply at every tree node as plain decoding applies them at that
+    position: drafts of the unprocessed continuation (EOS before min_tokens, a banned token) are
+    rejected there, a stop token drafted right after min_tokens is accepted, and the output
+    equals plain decoding's token for token."""
+    short = llm.generate(prompt_ids[0], SamplingParams(temperature=0, max_tokens=40))[0]
+    assert short.finish_reason == "stop" and short.token_ids[-1] in llm.engine.eos_token_ids
+    n = len(short.token_ids)
+    long_prompt = prompt_ids[6]
+    long_full = llm.generate(long_prompt, SamplingParams(temperature=0, max_tokens=40))[0].token_ids
+    # positions whose token is new: as a stop token with min_tokens = k it ends the output there
+    fresh = [k for k in range(4, 30) if long_full[k] not in long_full[:k]][:2]
+    assert len(fresh) == 2, long_full
+    cases = [  # (prompt, params, the drafted future: what the request would do unprocessed)
+        (prompt_ids[0], SamplingParams(temperature=0, max_tokens=n + 12, min_tokens=n + 6),
+         short.token_ids + [5] * 20),
+        (prompt_ids[0], SamplingParams(temperature=0, max_tokens=40, min_tokens=n - 1),
+         short.token_ids),
+        (long_prompt, SamplingParams(temperature=0, max_tokens=30,
+                                     logit_bias={long_full[12]: -100.0, long_full[20]: 4.0}),
+         long_full),
+        *[(long_prompt, SamplingParams(temperature=0, max_tokens=40, min_tokens=k,
+                                       stop_token_ids=[long_full[k]]), long_full) for k in fresh],
+        (long_prompt, SamplingParams(temperature=0, max_tokens=30, min_tokens=25,
+                                     stop_token_ids=[long_full[8]], repetition_penalty=1.2,
+                                     logit_bias={long_full[3]: 1.5}),
+         long_full),
+    ]
+    plain = [llm.generate(p, sp)[0] for p, sp, _ in cases]
+    assert len(plain[0].token_ids) > n and plain[0].token_ids[: n - 1] == short.token_ids[:-1]
+    assert plain[1].token_ids == short.token_ids
+    assert plain[2].token_ids != long_full[:30]  # the bias changed the output
+    for k, out in zip(fresh, plain[3:5]):
+        assert out.token_ids == long_full[: k + 1] and out.finish_reason == "stop"
+    seqs = _with_oracle([p for p, _, _ in cases], [(f, sp) for _, sp, f in cases])
+    for seq, ref in zip(seqs, plain):
+        assert seq.output_ids == ref.token_ids
+        assert seq.finish_reason == ref.finish_reason
+        assert seq.spec.num_accepted_tokens > 0
+
+
 # ----------------------------------------------------------------------------- sampling
 
 class RandomTreeDrafter:
@@ -283,12 +325,13 @@ class RandomTreeDrafter:
 
 def _exact_joint(engine, prompt, params, length=3) -> dict[tuple[int, ...], float]:
     """The exact distribution of the first `length` tokens under plain sampling."""
+    params = resolve_for_model(params, engine.eos_token_ids, engine.tokenizer.encode)
     probs = {(): 1.0}
     for _ in range(length):
         nxt = {}
         for prefix, p in probs.items():
             logits = prefill_logits(engine, prompt + list(prefix))[-1]
-            logits = apply_penalties(logits, params, prompt, list(prefix))
+            logits = process_logits(logits, params, prompt, list(prefix))
             q = target_probs(logits, params)
             for tok in q.nonzero().flatten().tolist():
                 nxt[prefix + (tok,)] = p * float(q[tok])
@@ -358,6 +401,32 @@ def test_sampling_with_speculation_keeps_the_target_distribution(tiny_model_dirs
     # The test can fail: the same samples against a wrong (colder) distribution are rejected.
     wrong = _exact_joint(engine, prompt, SamplingParams(**{**_fields(params), "temperature": 0.4}))
     assert _chi_square_p(spec_counts, wrong, n) < 1e-3
+
+
+def test_sampling_with_logit_processing_keeps_the_target_distribution(tiny_model_dirs):
+    """logit_bias, a stop token held back by min_tokens, and a penalty: speculative samples keep
+    the processed distribution while drafts keep proposing the masked and penalised tokens."""
+    prompt = [5, 17, 42, 99, 7, 3]
+    base = _tiny_llm(tiny_model_dirs, dtype="float32").engine
+    ranked = prefill_logits(base, prompt)[-1].argsort(descending=True).tolist()
+    params = SamplingParams(temperature=0.9, top_k=8, max_tokens=3, min_tokens=2,
+                            stop_token_ids=[ranked[0]], frequency_penalty=0.8,
+                            logit_bias={ranked[1]: -100.0, ranked[5]: 2.5, ranked[30]: 5.0})
+    exact = _exact_joint(base, prompt, params)
+    assert all(ranked[0] not in key[:2] and ranked[1] not in key for key in exact)
+    support = sorted({t for key in exact for t in key})
+    llm = _tiny_llm(tiny_model_dirs, dtype="float32", speculative="ngram", draft_sizing="full",
+                    custom_drafter=RandomTreeDrafter(support + ranked[:2]))
+    n = 2400
+    spec_counts = _sample(llm, prompt, params, n, seed0=20_000)
+    assert llm.engine.stats.num_accepted_tokens > 50, "forced drafts were never accepted"
+    p_spec = _chi_square_p(spec_counts, exact, n)
+    print(f"chi-square p: speculative {p_spec:.3g} ({len(exact)} outcomes)")
+    assert p_spec > 1e-3
+    # The test can fail: the same samples against a distribution without one bias are rejected.
+    bias = {**params.logit_bias, ranked[5]: 0.0}
+    wrong = _exact_joint(base, prompt, SamplingParams(**{**_fields(params), "logit_bias": bias}))
+    assert _chi_square_p({k: v for k, v in spec_counts.items() if k in wrong}, wrong, n) < 1e-3
 
 
 # ----------------------------------------------------------------------------- KV integrity

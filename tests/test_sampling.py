@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -11,7 +12,14 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from ngramspec import SamplingParams
-from ngramspec.layers.sampler import apply_penalties, argmax_rows, sample_token, target_probs
+from ngramspec.layers.sampler import (
+    apply_penalties,
+    argmax_rows,
+    process_logits,
+    sample_token,
+    target_probs,
+)
+from ngramspec.sampling_params import resolve_for_model
 
 # ----------------------------------------------------------------------------- validation
 
@@ -28,6 +36,14 @@ from ngramspec.layers.sampler import apply_penalties, argmax_rows, sample_token,
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"repetition_penalty": -1.0}, "repetition_penalty"), ({"seed": 1.0}, "seed"),
     ({"stop": [""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ({"min_tokens": 1.0}, "min_tokens"), ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+    ({"logit_bias": {"x": 1.0}}, "logit_bias"), ({"logit_bias": {1: float("nan")}}, "logit_bias"),
+    ({"logit_bias": {1: float("inf")}}, "logit_bias"), ({"logit_bias": [1]}, "logit_bias"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [-3]}, "allowed_token_ids"), ({"bad_words": [" "]}, "bad_words"),
+    ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+    ({"skip_special_tokens": "no"}, "skip_special_tokens"),
 ])
 def test_each_bad_parameter_names_its_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
@@ -39,6 +55,12 @@ def test_boundary_parameters_are_accepted() -> None:
                        presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.5, stop="x")
     assert p.greedy and p.has_penalties and p.stop == ["x"]
     assert not SamplingParams().has_penalties and not SamplingParams().greedy
+    assert not SamplingParams().processes_logits
+    q = SamplingParams(logit_bias={"7": -100, 3: 2.5}, min_tokens=4, max_tokens=4)
+    assert q.logit_bias == {7: -100, 3: 2.5}  # JSON's string keys become token ids, as vLLM
+    assert q.processes_logits and not q.has_penalties
+    for kwargs in ({"min_tokens": 1}, {"allowed_token_ids": [1]}, {"logit_bias": {1: 0.5}}):
+        assert SamplingParams(**kwargs).processes_logits, kwargs
 
 
 # ----------------------------------------------------------------------------- brute force
@@ -55,6 +77,25 @@ def ref_penalties(logits: list[float], p: SamplingParams, prompt: list[int],
     for t in set(out):
         res[t] -= p.frequency_penalty * out.count(t) + p.presence_penalty
     return res
+
+
+def ref_process(logits: list[float], p: SamplingParams, prompt: list[int], out: list[int],
+                eos: list[int]) -> list[float]:
+    """vLLM's order: allowed_token_ids keeps only those; a bad word's last token is banned when
+    the output ends with its other tokens; min_tokens bans EOS and stop_token_ids while the
+    output is shorter; logit_bias is added; then the penalties."""
+    res = list(logits)
+    if p.allowed_token_ids is not None:
+        res = [x if t in p.allowed_token_ids else -math.inf for t, x in enumerate(res)]
+    for word in p.bad_words_token_ids:
+        if len(out) >= len(word) - 1 and out[len(out) - len(word) + 1:] == list(word[:-1]):
+            res[word[-1]] = -math.inf
+    if len(out) < p.min_tokens:
+        for t in p.stop_token_ids + eos:
+            res[t] = -math.inf
+    for t, bias in (p.logit_bias or {}).items():
+        res[t] += bias
+    return ref_penalties(res, p, prompt, out)
 
 
 def ref_probs(logits: list[float], p: SamplingParams) -> list[float]:
@@ -103,6 +144,74 @@ def test_penalties_match_brute_force(logits, data, rep, pres, freq) -> None:
     got = apply_penalties(torch.tensor(logits), p, prompt, out)
     want = torch.tensor(ref_penalties(logits, p, prompt, out))
     assert torch.allclose(got, want, atol=1e-4), (got, want)
+
+
+@settings(max_examples=200, deadline=None)
+@given(logits=vocab_logits, data=st.data(), rep=st.sampled_from([1.0, 1.3]),
+       pres=st.sampled_from([0.0, 0.5]))
+def test_logit_processing_matches_brute_force(logits, data, rep, pres) -> None:
+    """logit_bias, min_tokens, allowed_token_ids and bad_words (token ids as the engine resolves
+    them), with penalties, against the reference at every output length."""
+    v = len(logits)
+    token = st.integers(0, v - 1)
+    prompt = data.draw(st.lists(token, max_size=6))
+    out = data.draw(st.lists(token, max_size=8))
+    eos = data.draw(st.lists(token, max_size=2))
+    p = SamplingParams(
+        max_tokens=16, repetition_penalty=rep, presence_penalty=pres,
+        min_tokens=data.draw(st.integers(0, 10)),
+        stop_token_ids=data.draw(st.lists(token, max_size=2)),
+        logit_bias=data.draw(st.one_of(st.none(), st.dictionaries(
+            token, st.floats(-100, 100, width=32), max_size=4))),
+        allowed_token_ids=data.draw(st.one_of(st.none(), st.lists(token, min_size=1,
+                                                                     max_size=v))))
+    words = data.draw(st.lists(st.lists(token, min_size=1, max_size=3), max_size=3))
+    p = dataclasses.replace(p, _eos_token_ids=tuple(eos),
+                            _bad_words_token_ids=tuple(tuple(w) for w in words))
+    for n in range(len(out) + 1):
+        got = process_logits(torch.tensor(logits), p, prompt, out[:n])
+        want = torch.tensor(ref_process(logits, p, prompt, out[:n], eos))
+        assert torch.allclose(got, want, atol=1e-3), (n, got, want)
+
+
+def test_bad_words_are_tokenised_as_vllm_does() -> None:
+    """Each word as it starts a text, and after a space where that is another token sequence of
+    the same length (a word inside a text)."""
+    table = {"ab": [1, 2], " ab": [7, 2], "cd": [3, 4], " cd": [9], "e": [5], " e": [5]}
+    p = resolve_for_model(SamplingParams(bad_words=["ab", " cd", "e"]), [0], table.__getitem__)
+    assert p.bad_words_token_ids == ((1, 2), (7, 2), (3, 4), (5,))
+    assert p.all_stop_token_ids == (0,)
+    assert SamplingParams(bad_words=["ab"]).bad_words_token_ids == ()  # until the engine resolves
+
+
+def test_greedy_follows_bias_and_min_tokens() -> None:
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    eos = dataclasses.replace(SamplingParams(temperature=0, min_tokens=2, max_tokens=4),
+                              _eos_token_ids=(0,))
+    assert sample_token(logits, eos, [], [5], None) == 1  # EOS masked: 1 output token < 2
+    assert sample_token(logits, eos, [], [5, 5], None) == 0
+    bias = SamplingParams(temperature=0, logit_bias={3: 3.5})
+    assert sample_token(logits, bias, [], [], None) == 3
+    allowed = SamplingParams(temperature=0, allowed_token_ids=[2, 3])
+    assert sample_token(logits, allowed, [], [], None) == 2
+
+
+def test_samples_follow_the_biased_distribution() -> None:
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    p = dataclasses.replace(SamplingParams(temperature=0.9, top_p=0.97, min_tokens=3,
+                                           stop_token_ids=[1], max_tokens=8,
+                                           logit_bias={7: 4.0, 2: -1.5}),
+                            _eos_token_ids=(0,))
+    prompt, out = [3], [4, 4]
+    probs = target_probs(torch.tensor(ref_process(logits.tolist(), p, prompt, out, [0])), p)
+    assert probs[0] == 0 and probs[1] == 0 and probs[7] > 0.3
+    gen = torch.Generator().manual_seed(0)
+    n = 4000
+    counts = torch.bincount(torch.tensor([sample_token(logits, p, prompt, out, gen)
+                                          for _ in range(n)]), minlength=len(logits))
+    sigma = (probs * (1 - probs) / n).sqrt()
+    assert ((counts / n - probs).abs() <= 4 * sigma + 1e-9).all(), (counts / n, probs)
+    assert counts[probs == 0].sum() == 0
 
 
 @settings(max_examples=200, deadline=None)
@@ -255,3 +364,61 @@ def test_eos_stops_unless_ignore_eos(llm) -> None:
     assert kept.finish_reason == "length" and len(kept.token_ids) == len(stopped.token_ids) + 3
     assert kept.token_ids[: len(stopped.token_ids)] == stopped.token_ids
     assert llm.tokenizer.decode([eos]) not in stopped.text  # special tokens stay out of the text
+
+
+# ----------------------------------------------------------------------------- vLLM's fields
+
+
+def test_min_tokens_masks_eos_until_reached(llm, probe) -> None:
+    prompt = llm.apply_chat_template([{"role": "user", "content": "Say only the word: yes"}])
+    stopped = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16))[0]
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) < 8
+    eos = llm.engine.eos_token_ids
+    p = SamplingParams(temperature=0, max_tokens=24, min_tokens=len(stopped.token_ids) + 4)
+    rec = probe(llm.engine)
+    out = llm.generate(prompt, p)[0]
+    assert len(out.token_ids) > p.min_tokens or out.finish_reason == "length"
+    assert not set(out.token_ids[: p.min_tokens]) & set(eos)
+    for t, (row, token) in enumerate(zip(rec.rows[out.request_id], out.token_ids)):
+        processed = ref_process(row.tolist(), p, prompt, out.token_ids[:t], list(eos))
+        assert token == max(range(len(processed)), key=processed.__getitem__), f"step {t}"
+
+
+def test_logit_bias_allowed_and_bad_words_steer_greedy(llm, prompt_ids, greedy_alone) -> None:
+    ref = greedy_alone[3].tokens
+    favoured = ref[2]
+    out = llm.generate(prompt_ids[3], SamplingParams(temperature=0, max_tokens=4,
+                                                     logit_bias={favoured: 100}))[0]
+    assert out.token_ids == [favoured] * 4
+    banned = llm.generate(prompt_ids[3], SamplingParams(temperature=0, max_tokens=4,
+                                                        logit_bias={ref[0]: -100}))[0]
+    assert banned.token_ids[0] != ref[0]
+    allowed = sorted(set(ref[3:6]))
+    only = llm.generate(prompt_ids[3], SamplingParams(temperature=0, max_tokens=6,
+                                                      allowed_token_ids=allowed))[0]
+    assert set(only.token_ids) <= set(allowed)
+    word = llm.tokenizer.decode(ref[:2]).strip()
+    assert word, f"pick another word than {ref[:2]}"
+    p = SamplingParams(temperature=0, max_tokens=len(ref), ignore_eos=True, bad_words=[word])
+    free = llm.generate(prompt_ids[3], p)[0]
+    ids = resolve_for_model(p, [], llm.encode).bad_words_token_ids
+    assert ids and free.token_ids != ref[: len(free.token_ids)]
+    for seq in ids:
+        assert not any(free.token_ids[i:i + len(seq)] == list(seq)
+                       for i in range(len(free.token_ids))), (word, seq)
+
+
+def test_include_stop_str_and_special_tokens_in_text(llm, prompt_ids, greedy_alone) -> None:
+    ref = greedy_alone[1].tokens
+    full = llm.tokenizer.decode(ref, skip_special_tokens=True)
+    stop = full[12:17]
+    p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop],
+                       include_stop_str_in_output=True)
+    out = llm.generate(prompt_ids[1], p)[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full[: full.index(stop) + len(stop)]
+    prompt = llm.apply_chat_template([{"role": "user", "content": "Say only the word: yes"}])
+    kept = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16,
+                                               skip_special_tokens=False))[0]
+    assert kept.finish_reason == "stop"
+    assert kept.text.endswith(llm.tokenizer.decode([kept.token_ids[-1]]))

@@ -64,7 +64,7 @@ def server(tmp_path_factory) -> Iterator[Server]:
     port = _free_port()
     log_path = root / "server.log"
     # A fixed (flat) verify cost: drafting must not depend on how busy the machine is.
-    cmd = [sys.executable, "-m", "ngramspec.server.cli", "serve", "--speculative", "ngram",
+    cmd = [sys.executable, "-m", "ngramspec", "serve", "--speculative", "ngram",
            "--verify-cost", "flat",
            "--host", "127.0.0.1", "--port", str(port), "--threads", "1",
            "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY,
@@ -375,7 +375,11 @@ BAD_REQUESTS = [
         "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}, 400, "guided_json"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "guided_json": DEEP_SCHEMA}, 400,
      "guided_json"),  # pathological: nested 200 deep
-    ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", ""]}, 400, "prompt"),  # 2nd empty
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", [1]]}, 400, "prompt"),  # mixed kinds
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, 400,
+     "prompt"),
+    ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "ngram": {"refrence": "x"}}, 400,
      "ngram.refrence"),
@@ -421,7 +425,7 @@ V1_ROUTES = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/c
              ("GET", "/v1/corpora"), ("POST", "/v1/corpora"), ("DELETE", "/v1/corpora/x"),
              ("GET", "/v1/learned"), ("POST", "/v1/learned/save"),
              ("POST", "/v1/learned/restore"), ("POST", "/v1/learned/flush"),
-             ("GET", "/v1/models/" + MODEL)]
+             ("GET", "/v1/models/" + MODEL), ("POST", "/tokenize"), ("POST", "/detokenize")]
 
 
 def test_api_key_guards_every_v1_route(live: Server) -> None:
@@ -604,6 +608,17 @@ def test_constrained_tool_calls_are_valid_and_equal_plain(client: openai.OpenAI,
     jsonschema.validate(json.loads(arguments), schema)
     if isinstance(tool_choice, dict):
         assert name == "get_weather"
+    # the call as the client holds it goes back with its result, and the conversation goes on
+    call = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER, ADD], tool_choice=tool_choice,
+        parallel_tool_calls=False, temperature=0, max_tokens=80).choices[0].message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    assert (call.function.name, call.function.arguments) == calls[0]
+    follow = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                         {"role": "tool", "tool_call_id": call.id, "content": "18 degrees"}]
+    reply = client.chat.completions.create(model=MODEL, messages=follow, tools=[WEATHER, ADD],
+                                           tool_choice="none", **GREEDY).choices[0]
+    assert reply.message.content and reply.message.tool_calls is None
 
 
 def test_auto_tool_calls_parse_the_models_format_and_results_go_back(client: openai.OpenAI,
@@ -783,7 +798,9 @@ _TOOLS = {
 _BODIES = st.one_of(
     st.tuples(st.just("/v1/completions"), st.fixed_dictionaries(
         {**_REQUIRED, "prompt": _mostly(st.one_of(st.text(max_size=30),
-                                                  st.lists(st.integers(0, 49151), max_size=6)))},
+                                                  st.lists(st.integers(0, 49151), max_size=6),
+                                                  st.lists(st.text(max_size=10), min_size=1,
+                                                           max_size=3)))},
         optional=_COMMON)),
     st.tuples(st.just("/v1/chat/completions"), st.fixed_dictionaries(
         {**_REQUIRED, "messages": _mostly(st.lists(_MESSAGE, max_size=3))},
@@ -807,7 +824,10 @@ def test_fuzzed_bodies_never_break_the_server(http: httpx.Client) -> None:
         elif body.get("stream") is True:
             assert resp.text.rstrip().endswith("data: [DONE]")
         else:
-            assert len(resp.json()["choices"]) == (body.get("n") or 1)
+            prompt = body.get("prompt")
+            several = isinstance(prompt, list) and prompt and isinstance(prompt[0], str)
+            prompts = len(prompt) if several else 1
+            assert len(resp.json()["choices"]) == (body.get("n") or 1) * prompts
 
     check()
     print(f"\nfuzz: {len(seen)} cases, status counts "
@@ -883,6 +903,200 @@ def test_metrics_report_the_traffic(live: Server) -> None:
     assert values["ngramspec_num_requests_waiting"] == 0.0
     assert values['ngramspec_requests_total{code="401",route="/v1/models"}'] >= 3
     assert values['ngramspec_request_finished_total{finish_reason="length"}'] > 0
+
+
+# ---- vLLM drop-in: several prompts per call, /tokenize, metrics with vLLM's names ------------
+
+def test_a_list_of_prompts_equals_one_request_per_prompt(client: openai.OpenAI, llm: LLM) -> None:
+    prompts = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time"]
+    expected = [_reference(llm, p, **GREEDY) for p in prompts]
+    singles = [client.completions.create(model=MODEL, prompt=p, **GREEDY) for p in prompts]
+    assert [s.choices[0].text for s in singles] == expected
+    for prompt in (prompts, [llm.encode(p) for p in prompts]):  # text or token ids
+        resp = client.completions.create(model=MODEL, prompt=prompt, **GREEDY)
+        assert [(c.index, c.text) for c in resp.choices] == list(enumerate(expected))
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            assert getattr(resp.usage, key) == sum(getattr(s.usage, key) for s in singles)
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, stream=True, **GREEDY):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(3)] == expected
+    # n choices per prompt, indexed prompt-major (OpenAI's order); choice i samples with seed + i
+    kw = {"model": MODEL, "n": 2, "temperature": 1.0, "seed": 3, "max_tokens": 6}
+    each = [[c.text for c in client.completions.create(prompt=p, **kw).choices]
+            for p in prompts[:2]]
+    both = client.completions.create(prompt=prompts[:2], **kw).choices
+    assert [c.index for c in both] == [0, 1, 2, 3]
+    assert [c.text for c in both] == each[0] + each[1]
+
+
+def test_tokenize_matches_the_chat_prompt_and_round_trips(http: httpx.Client, llm: LLM,
+                                                           client: openai.OpenAI) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    tokens = http.post("/tokenize", json={"model": MODEL, "messages": messages}).json()
+    expected = llm.chat(messages, SamplingParams(max_tokens=1))[0].prompt_token_ids
+    assert tokens["tokens"] == list(expected) and tokens["count"] == len(expected)
+    assert tokens["max_model_len"] == MAX_MODEL_LEN
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert chat.usage.prompt_tokens == tokens["count"]
+    with_tools = http.post("/tokenize", json={"messages": messages, "tools": [WEATHER]}).json()
+    chat = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
+                                          max_tokens=1)
+    assert chat.usage.prompt_tokens == with_tools["count"] > tokens["count"]
+    text = "Tokenise me, then back: 12345 🙂"
+    ids = http.post("/tokenize", json={"prompt": text}).json()["tokens"]
+    assert ids == llm.encode(text)
+    assert http.post("/detokenize", json={"tokens": ids}).json() == {"prompt": text}
+
+
+def test_vllm_metrics_after_speculative_requests(http: httpx.Client, live: Server) -> None:
+    body = {"model": MODEL, "prompt": "Count: 1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2,",
+            "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    assert http.post("/v1/completions", json=body).json()["speculation"]["accepted_tokens"] > 0
+    _wait_idle(http)
+    text = httpx.get(live.url + "/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    label = f'{{model_name="{MODEL}"}}'
+
+    def vllm(name: str) -> float:
+        return values["vllm:" + name + label]
+
+    drafts, drafted = vllm("spec_decode_num_drafts_total"), \
+        vllm("spec_decode_num_draft_tokens_total")
+    accepted = vllm("spec_decode_num_accepted_tokens_total")
+    per_pos = []
+    while (key := "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+           f'{{model_name="{MODEL}",position="{len(per_pos)}"}}') in values:
+        per_pos.append(values[key])
+    assert 0 < drafts <= drafted and 0 < accepted <= drafted
+    assert per_pos and per_pos == sorted(per_pos, reverse=True) and per_pos[0] <= drafts
+    assert sum(per_pos) == accepted
+    assert accepted == values["ngramspec_spec_accepted_tokens_total"]
+    assert drafted == values["ngramspec_spec_draft_tokens_total"]
+    assert vllm("prompt_tokens_total") == values["ngramspec_prompt_tokens_total"]
+    assert vllm("generation_tokens_total") == values["ngramspec_generation_tokens_total"]
+    assert vllm("time_to_first_token_seconds_count") > 0
+    assert vllm("e2e_request_latency_seconds_count") > 0
+    assert vllm("num_requests_running") == 0 and vllm("num_requests_waiting") == 0
+    success = f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}}'
+    assert values[success] > 0
+
+
+# ---- vLLM's request fields -------------------------------------------------------------------
+
+def test_openai_client_nulls_mean_defaults(client: openai.OpenAI, http: httpx.Client,
+                                           llm: LLM) -> None:
+    """The openai client sends an explicit None as null: the field's default."""
+    prompt = "The capital of France is"
+    nulls = {name: None for name in ("top_p", "n", "presence_penalty", "frequency_penalty",
+                                     "stop", "seed", "logit_bias", "stream", "user")}
+    resp = client.completions.create(model=MODEL, prompt=prompt, logprobs=None, echo=None,
+                                      best_of=None, suffix=None, **nulls, **GREEDY)
+    assert resp.choices[0].text == _reference(llm, prompt, **GREEDY)
+    messages = [{"role": "user", "content": "Name three colours."}]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, logprobs=None,
+                                           top_logprobs=None, max_completion_tokens=None,
+                                           **nulls, **GREEDY)
+    assert resp.choices[0].message.content == _chat_reference(llm, messages[0]["content"],
+                                                              **GREEDY)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": None,
+            "top_k": None, "min_p": None, "repetition_penalty": None, "stop_token_ids": None}
+    assert http.post("/v1/completions", json=body).status_code == 200
+
+
+def test_vllm_sampling_fields_equal_llm_generate(client: openai.OpenAI, llm: LLM) -> None:
+    """min_tokens, logit_bias, stop_token_ids and include_stop_str_in_output, streamed or not,
+    as the offline LLM with the same SamplingParams (the server speculates, llm does not)."""
+    prompt = "Count along: 1, 2, 3, 5, 8, 13, 21,"
+    plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0]
+    full = plain.text
+    stop = full[4:7]
+    cases = [  # (SamplingParams fields, request fields)
+        ({"logit_bias": {plain.token_ids[1]: -100.0, plain.token_ids[5]: 3.0}, "min_tokens": 4,
+          "stop_token_ids": [plain.token_ids[6]]},
+         {"logit_bias": {str(plain.token_ids[1]): -100, str(plain.token_ids[5]): 3},
+          "extra_body": {"min_tokens": 4, "stop_token_ids": [plain.token_ids[6]]}}),
+        ({"stop": [stop], "include_stop_str_in_output": True},
+         {"stop": [stop], "extra_body": {"include_stop_str_in_output": True}}),
+    ]
+    for fields, request in cases:
+        ref = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, **fields))[0]
+        kw = dict(model=MODEL, prompt=prompt, temperature=0, max_tokens=12, **request)
+        resp = client.completions.create(**kw)
+        assert (resp.choices[0].text, resp.choices[0].finish_reason) == (ref.text,
+                                                                         ref.finish_reason)
+        assert resp.usage.completion_tokens == len(ref.token_ids)
+        streamed = [c.choices[0].text for c in client.completions.create(stream=True, **kw)
+                    if c.choices]
+        assert "".join(streamed) == ref.text
+    assert ref.text.endswith(stop) and ref.finish_reason == "stop"
+
+
+def test_vllm_chat_fields_equal_llm(client: openai.OpenAI, llm: LLM) -> None:
+    """min_tokens past the model's EOS, skip_special_tokens=False, the template fields."""
+    messages = [{"role": "user", "content": "Say only the word: yes"}]
+    short = llm.chat(messages, SamplingParams(temperature=0, max_tokens=16))[0]
+    assert short.finish_reason == "stop"
+    params = SamplingParams(temperature=0, max_tokens=24, min_tokens=len(short.token_ids) + 3,
+                            skip_special_tokens=False)
+    ref = llm.chat(messages, params)[0]
+    assert len(ref.token_ids) > len(short.token_ids)
+    resp = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=24,
+        extra_body={"min_tokens": params.min_tokens, "skip_special_tokens": False,
+                    "chat_template_kwargs": {"custom_variable": 1}})
+    assert resp.choices[0].message.content == ref.text
+    if ref.finish_reason == "stop":  # the EOS stays in the text
+        assert ref.text.endswith(llm.tokenizer.decode(ref.token_ids[-1:]))
+    tok = llm.tokenizer
+    prefill = messages + [{"role": "assistant", "content": "The answer is"}]
+    for extra, template in (
+            ({"add_generation_prompt": False}, {"add_generation_prompt": False}),
+            ({"continue_final_message": True},
+             {"add_generation_prompt": False, "continue_final_message": True})):
+        conversation = prefill if "continue_final_message" in extra else messages
+        ids = tok.apply_chat_template(conversation, tokenize=True, **template)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        expected = llm.generate(ids, SamplingParams(**GREEDY))[0].text
+        resp = client.chat.completions.create(model=MODEL, messages=conversation,
+                                              extra_body=extra, **GREEDY)
+        assert resp.choices[0].message.content == expected, extra
+
+
+@pytest.mark.parametrize("route,body,param", [
+    ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", {"priority": 3}, "priority"),
+    ("/v1/chat/completions", {"truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
+    ("/v1/chat/completions", {"echo": True}, "echo"),
+    ("/v1/chat/completions", {"spaces_between_special_tokens": False},
+     "spaces_between_special_tokens"),
+])
+def test_vllm_fields_we_cannot_honour_are_400s(http: httpx.Client, route: str, body: dict,
+                                               param: str) -> None:
+    base = {"model": MODEL, "max_tokens": 2}
+    base |= {"prompt": "Hi"} if route == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "Hi"}]}
+    resp = http.post(route, json=base | body)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert (error["param"], error["code"]) == (param, "unsupported_parameter")
+    nothing = {k: {True: False, 3: 0, 5: None, False: True}[v] for k, v in body.items()}
+    assert http.post(route, json=base | nothing).status_code == 200
+
+
+def test_logit_bias_outside_the_vocabulary_is_a_400(http: httpx.Client) -> None:
+    for body, param in (({"logit_bias": {"99999999": 1}}, "logit_bias"),
+                        ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+                        ({"logit_bias": {"5": 150}}, "logit_bias.5")):
+        resp = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi",
+                                                  "max_tokens": 2} | body)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"] == param
 
 
 def test_sigterm_finishes_in_flight_and_saves_state(live: Server) -> None:

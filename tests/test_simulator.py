@@ -260,7 +260,7 @@ def test_summary_of_real_drafter_is_consistent():
 def parse_drafter(argv: list[str]):
     import argparse
 
-    from ngramspec.cli_drafting import add_drafter_args, drafter_config_from_args
+    from ngramspec.cli.drafter_args import add_drafter_args, drafter_config_from_args
 
     parser = argparse.ArgumentParser()
     add_drafter_args(parser)
@@ -271,7 +271,7 @@ def test_every_config_field_is_an_option():
     import argparse
     from dataclasses import fields
 
-    from ngramspec.cli_drafting import add_drafter_args
+    from ngramspec.cli.drafter_args import add_drafter_args
     from ngramspec.drafting.config import DrafterConfig
 
     parser = argparse.ArgumentParser()
@@ -296,7 +296,7 @@ def test_drafter_options_and_sglang_aliases():
 
 
 def test_simulate_command_json_and_compare(tmp_path, capsys):
-    from ngramspec.cli_drafting import main
+    from ngramspec.cli import main
 
     text = [5, 6, 7, 8, 9] * 8
     path = tmp_path / "s.jsonl"

@@ -23,7 +23,7 @@ import time
 import tracemalloc
 from typing import Any
 
-from ngramspec.cli_drafting import add_drafter_args, drafter_config_from_args, load_corpora
+from ngramspec.cli.drafter_args import add_drafter_args, drafter_config_from_args, load_corpora
 from ngramspec.drafting.config import DrafterConfig
 from ngramspec.drafting.factory import make_drafter
 from ngramspec.simulator.replay import Stream, read_streams, replay

@@ -110,7 +110,7 @@ def servers(model: Path, llama_server: Path | None, threads: int, modes: list[st
         name = "ngramspec " + ("plain" if spec == "none" else "spec")
         if name.split()[1] in modes:
             port = _free_port()
-            out.append(Server(name, [sys.executable, "-m", "ngramspec.cli", "serve", "--model", str(model),
+            out.append(Server(name, [sys.executable, "-m", "ngramspec", "serve", "--model", str(model),
                                      "--speculative", spec, "--threads", str(threads),
                                      "--port", str(port), "--log-level", "warning"], port, ours_env))
     if llama_server is not None:

@@ -46,7 +46,7 @@ class ConfigRun:
 
 
 def register(sub: Any) -> None:
-    from ngramspec.cli_options import add_engine_args
+    from ngramspec.cli.engine_args import add_engine_args
 
     p = sub.add_parser("speed", help="plain vs n-gram speculation vs SGLang preset vs HF PLD",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
 # ---- running the configurations ---------------------------------------------------------------
 
 def run_all(args: argparse.Namespace, prompts: list[BenchPrompt]) -> tuple[dict[str, ConfigRun], dict]:
-    from ngramspec.cli_options import engine_kwargs_from_args
+    from ngramspec.cli.engine_args import engine_kwargs_from_args
     from ngramspec.drafting.config import DrafterConfig
 
     base = engine_kwargs_from_args(args)

@@ -8,10 +8,9 @@ prior), learned from every drafted node whose parent was accepted (a "trial": th
 actually judged it).
 
 The class is the source and whether the matched suffix had one earlier occurrence only (a
-"unique" match: raw = 1/2 whatever the evidence). Replays of data/streams
-(`ngramspec simulate`) put the gain of that split at +1% mean accepted overall and +3% on code
-edits: one earlier occurrence of a long match is copied far more reliably than a 1-in-2 split of
-several occurrences, which the raw estimate cannot tell apart. Wildcard matches and the trie
+"unique" match: raw = 1/2 whatever the evidence): one earlier occurrence of a long match is
+copied far more reliably than a 1-in-2 split of several occurrences, which the raw estimate
+cannot tell apart. Wildcard matches and the trie
 fallback (drafting/config.py `max_wildcards`, `trie_fallback`), and all that descends from them,
 have classes of their own ("context/skip", "trie/skip", ...): what follows a match that skips
 the request's new last token is a weaker copy than what follows a match that ends at it, and
@@ -23,10 +22,8 @@ verifier judged in the request's recent steps (each step's sums decay by a facto
 "predicted" being each node's estimate before the gain (kept per node: the estimate is capped
 at MAX_CONDITIONAL, so dividing the gain back out would understate it and let a copying
 request's gain climb without bound). A request that is copying gets deeper chains from the
-source it copies, one writing new text wider trees. Replays of data/streams: 2.454 -> 2.493
-mean accepted (one gain for all sources, an earlier variant: 2.475). Raising a token two
-sources agree on (noisy-or, weight 0.25) added 0.2% alone and nothing on top of the
-per-source gain, so the best source's estimate stands alone.
+source it copies, one writing new text wider trees. A token two sources agree on keeps the
+best source's estimate alone: the agreement adds nothing the per-source gain does not.
 """
 
 from __future__ import annotations

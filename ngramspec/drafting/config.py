@@ -28,10 +28,8 @@ class DrafterConfig:
     preset: Literal["ngramspec", "sglang"] = "ngramspec"  # "ngramspec" (ours) | "sglang" (faithful SGLang NGRAM)
     draft_token_num: int = 12  # tree size including the root (SGLang's d); drafts = d - 1
     # D: longest n-gram stored in the trie. SGLang uses 18; ours stops at 5 because the request's
-    # own context index covers the long matches. Replays of the 58 streams (data/streams, with the
-    # request gain): depth 5 accepts 2.499 tokens a step against 2.493 at 8 and 2.492 at 6 (at 16
-    # in flight 2.491 against 2.486), stores 65k trie nodes instead of 122k and counts 5 n-grams
-    # per committed token instead of 8 (bench corpus: ~0.25 us a request-step less).
+    # own context index covers the long matches: deeper accepts no more, and every committed
+    # token counts D n-grams into a trie that grows with D.
     max_trie_depth: int = 5
     min_bfs_breadth: int = 1
     max_bfs_breadth: int = 10  # also the top-k children read per node by our drafter
@@ -42,23 +40,19 @@ class DrafterConfig:
     # ---- ngramspec knobs
     max_context_match: int = 16  # longest suffix looked up in the request's own context
     max_sam_match: int = 24  # longest suffix looked up in an external corpus
-    # Replays of the 58 streams: 2 anchors accept as much as 3 and cost less. The 4 most recent
-    # earlier occurrences per context match beat 16 (data/streams 2.445 -> 2.455 mean accepted;
-    # 164 HumanEval and 428 chat streams recorded apart: equal) and cost less again.
+    # More anchors or occurrences accept no more (docs/benchmarks.md) and cost more: the most
+    # recent occurrences of a match predict its continuation best.
     max_context_occurrences: int = 4
     max_anchors_per_source: int = 2  # matched suffix lengths per source expanded into the tree
     # For a step whose last token has no earlier occurrence in the request's own text (a new
-    # name, number or word: 40% of the steps of data/streams, where 18% had no draft at all):
+    # name, number or word: 40% of the steps of the recorded streams):
     # - wildcard matches: match the tokens before the last w = 1 .. max_wildcards tokens instead
     #   and draft what followed w tokens after those earlier matches (`foo(a, X)` then
     #   `foo(a, Y)`: the same `)` and line after);
     # - the trie fallback: the trie's root as a match of length 0 (the most frequent tokens,
     #   then their bigrams): after a new word the next token is often a common one (`.`, `,`,
     #   ` the`, a newline), which no match offers.
-    # Both are calibrated in classes of their own (calibration.py). Replays of the 58 streams,
-    # mean accepted: 2.499 with neither, 2.554 wildcards only, 2.632 the fallback only, 2.651
-    # both (no loops 2.352 -> 2.497); 2 wildcards 2.645. (The request's recent tokens as a
-    # second fallback added 0.5% for ~1.5 us a request-step.)
+    # Both are calibrated in classes of their own (calibration.py), and each raises acceptance.
     max_wildcards: int = 1
     trie_fallback: bool = True
     min_path_prob: float = 0.0  # nodes whose estimated path acceptance is below are not drafted
@@ -66,16 +60,13 @@ class DrafterConfig:
     calibrate: bool = True  # learn acceptance per (source, match length) online
     calibration_prior_weight: float = 8.0  # pseudo-trials behind the prior factor of a bucket
     # A request's own recent acceptance per source scales its estimates (calibration.py): the
-    # gains' prior in pseudo-trials (0: off) and the decay of their sums per verify step.
-    # Replays of data/streams: prior 1 with decay 0.9 gives 2.493 mean accepted against 2.454
-    # without (decay 0.5 / 0.7 / 0.95 / 1.0: 2.480 / 2.487 / 2.494 / 2.488; prior 2: 2.484);
-    # at 16 in flight 2.486 against 2.456.
+    # gains' prior in pseudo-trials (0: off) and the decay of their sums per verify step (the
+    # defaults were the best of a sweep over replays).
     request_gain_prior: float = 1.0
     request_gain_decay: float = 0.9
     # Threads that build a batch's trees (the queued commits stay on one): the trees are the same
-    # for any count. Meant for cores that idle while an accelerator runs, but on an H200 host at 64
-    # requests a step's drafting took 2.8 ms with 4 threads against 1.3 ms with 1 in an earlier
-    # run (torch's own threads compete for the cores), and on a CPU the forward wants every core.
+    # for any count. Meant for cores that idle while an accelerator runs; 1 by default because
+    # torch's own threads compete for the cores, and on a CPU the forward wants every core.
     draft_threads: int = 1
 
     def __post_init__(self) -> None:

@@ -39,10 +39,13 @@ from ngramspec.drafting.index.context import ContextIndex
 from ngramspec.drafting.index.sam import SuffixAutomaton
 from ngramspec.drafting.index.trie import NgramTrie, TrieState
 from ngramspec.drafting.kernels import build as bk
-from ngramspec.drafting.kernels import step
+from ngramspec.drafting.kernels import compiled_on_disk, step
 from ngramspec.drafting.kernels.sam import CorpusBank
 from ngramspec.drafting.sources import NUM_SOURCES, SOURCE_NAMES
 from ngramspec.drafting.tree import DraftBatch
+from ngramspec.progress import build_progress
+
+_BUILD_DEFAULT_S = 240.0  # the progress estimate before this machine has compiled the drafter
 
 
 @dataclass(slots=True)
@@ -278,9 +281,8 @@ class NgramDrafter:
             batch += (req.slot, budget)
         # The last batch's arrays are reused when no one else holds them or a view of them
         # (reference counts: this attribute, the local and getrefcount's argument): the caller
-        # dropped that batch, so no one can see them change. Two allocations cost ~0.45 µs of a
-        # ~8 µs request-step with one request in flight; a held batch is never written. The
-        # layout is kernels/step.py `_build_one`'s.
+        # dropped that batch, so no one can see them change (two allocations: ~0.45 µs a step);
+        # a held batch is never written. The layout is kernels/step.py `_build_one`'s.
         out, out_p = self._out, self._out_p
         if out.shape[0] != num or sys.getrefcount(out) > 3 or sys.getrefcount(out_p) > 3:
             out = self._out = np.empty((num, 3 * self._nodes + 1), np.int64)
@@ -465,7 +467,13 @@ def _int32s(tokens: list) -> bool:
 
 @functools.cache
 def warm_up_parallel() -> None:
-    """Load (or compile: ~20 s the first time) the threaded build kernel."""
+    """Load (or compile, with progress) the threaded build kernel."""
+    with build_progress("the drafter's threaded kernel", "drafter-threads", 30.0,
+                        enabled=not compiled_on_disk("step.propose_parallel")):
+        _warm_up_parallel()
+
+
+def _warm_up_parallel() -> None:
     drafter = NgramDrafter(DrafterConfig(capacity=40, max_trie_depth=4, draft_token_num=4,
                                          draft_threads=2), warm=False)
     ids = [f"warm{i}" for i in range(8)]
@@ -476,7 +484,14 @@ def warm_up_parallel() -> None:
 
 @functools.cache
 def warm_up() -> None:
-    """Load (or compile) every kernel once per process, outside any timed step."""
+    """Load (or compile, with progress on stderr) every kernel once per process, outside any
+    timed step."""
+    with build_progress("the drafter's kernels", "drafter", _BUILD_DEFAULT_S,
+                        enabled=not compiled_on_disk()):
+        _warm_up()
+
+
+def _warm_up() -> None:
     from ngramspec.drafting.kernels import context as cx
     from ngramspec.drafting.kernels import trie_bulk as tb
 

@@ -143,11 +143,10 @@ def trusted_tree(tokens: list[int], parents: list[int], probs: list[float],
 class DraftBatch(Sequence):
     """One propose's trees as arrays, row i for request i, read as DraftTrees only when asked.
 
-    A drafter's trees are mostly cut by the engine's sizing (at 16 chat requests on the 2-core
-    CPU nearly all of them to the root), and turning a 12-node tree into Python lists cost ~1.3
-    µs of a ~6 µs request-step (bench corpus, 64 in flight). So the engine sizes the trees on
-    these arrays and converts only the prefixes it verifies (`prefixes`); indexing or iterating
-    converts every tree once, for readers that want them all (the replay, tests).
+    A drafter's trees are mostly cut by the engine's sizing (on a CPU often to the root), and
+    turning a tree into Python lists costs a large share of a request-step. So the engine sizes
+    the trees on these arrays and converts only the prefixes it verifies (`prefixes`); indexing or
+    iterating converts every tree once, for readers that want them all (the replay, tests).
     Row i's first `sizes[i]` columns of each field are its nodes, best-first as in DraftTree;
     the columns after them are undefined. The int fields share one array, `ints` [B, 3W + 1]:
     tokens, parents, sources (W columns each), then the size (a numpy view costs ~0.2 µs, so
@@ -168,7 +167,7 @@ class DraftBatch(Sequence):
     @classmethod
     def trusted(cls, ints: np.ndarray, probs: np.ndarray) -> DraftBatch:
         """A batch without the shape check, for arrays shaped by construction (the drafter's
-        own): the check cost ~0.3 µs of a ~7 µs request-step with one request in flight."""
+        own): the check is a few percent of a request-step."""
         batch = object.__new__(cls)
         batch.ints, batch.probs, batch._trees = ints, probs, None
         return batch

@@ -20,8 +20,8 @@ class PathProbCalibrator:
     """Global correction of a tree's raw path probabilities, by 0.1-wide bucket.
 
     Kept as arrays and applied to a whole batch at once: per tree in Python, correcting and
-    learning took ~1.1 ms of every step at 64 requests on the 2-core CPU. Observations wait in a
-    list and are added, in the order they came, before the next correction reads the table.
+    learning cost a visible share of a large batch's step. Observations wait in a list and are
+    added, in the order they came, before the next correction reads the table.
     """
 
     def __init__(self) -> None:

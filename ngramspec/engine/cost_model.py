@@ -91,10 +91,9 @@ def measure_cost(runner: ModelRunner, scheduler: Scheduler, max_model_len: int,
     """Time one forward per point; long prompts are the scheduler's business, so stop at 128.
 
     Points up to 16 (the draft trees' sizes, cheap to time) are timed in `rounds` passes over
-    all of them, keeping each point's best: right after loading, single timings drifted +-15%
-    from one start to the next (q=3 measured 1.33-1.77x one token), and a slow phase hit
-    whichever point ran then. More work never takes less time, so the curve is made
-    non-decreasing.
+    all of them, keeping each point's best: right after loading, single timings drift +-15%
+    from one start to the next, and a slow phase hits whichever point runs then. More work
+    never takes less time, so the curve is made non-decreasing.
     """
     context = min(256, max_model_len // 2)
     pts = [p for p in points if p <= max_tokens and context + p <= max_model_len]

@@ -43,7 +43,7 @@ from ngramspec.models.loader import (
     load_tokenizer,
     resolve_model_dir,
 )
-from ngramspec.sampling_params import SamplingParams, choice_params
+from ngramspec.sampling_params import SamplingParams, choice_params, resolve_for_model
 from ngramspec.structured.grammar import GrammarCompiler
 from ngramspec.structured.matcher import GrammarViolation, RequestGrammar, apply_bitmask
 
@@ -154,6 +154,7 @@ class LLMEngine:
                     references: list[list[int]] | None = None) -> Sequence:
         """Queue a request; returns its sequence (for n > 1, choice 0: every choice is in
         `.choices`, choice i under the id `choice_id(request_id, i)`)."""
+        params = resolve_for_model(params, self.eos_token_ids, self._encode_words)
         if params.n == 1:
             self._validate(request_id, prompt_ids, params)
             return self._add_sequence(request_id, prompt_ids, params, references)
@@ -211,12 +212,20 @@ class LLMEngine:
         vocab = self.model_cfg.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            if bad := sorted({t for t in ids if t >= vocab}):
+                raise ValueError(f"{name}: token ids {bad} are outside the vocabulary "
+                                 f"[0, {vocab})")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens but the context holds "
                              f"{self.max_model_len} (prompt + at least one new token)")
         if len(prompt_ids) + 1 + self.scheduler.admission_reserve > self.allocator.num_usable:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens but the KV cache holds "
                              f"only {self.allocator.num_usable}; raise kv_cache_bytes")
+
+    def _encode_words(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def abort_request(self, request_id: str) -> None:
         """End a request (for n > 1, the request's id ends every choice; a choice's own id,
@@ -434,7 +443,7 @@ class LLMEngine:
     def _greedy_targets(self, chunks: list[ScheduledChunk],
                         logits: torch.Tensor) -> list[int] | None:
         # One argmax for the whole batch when no request needs per-row processing.
-        if all(c.seq.params.greedy and not c.seq.params.has_penalties for c in chunks):
+        if all(c.seq.params.greedy and not c.seq.params.processes_logits for c in chunks):
             return argmax_rows(logits)
         return None
 

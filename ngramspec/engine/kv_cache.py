@@ -21,9 +21,9 @@ class SlotAllocator:
             raise ValueError(f"the KV cache needs at least 2 slots, got {num_slots}")
         self.num_slots = num_slots
         # Every slot from `_next` up is free (the never-used or returned tail, taken as a range);
-        # `_holes` (a min-heap) holds the free slots below it. A heap of every free slot cost
-        # ~0.5 µs a pop or push at 130k slots: ~6.7 µs a request-step for a 12-node tree, as
-        # much as drafting it; the holes are mostly one step's rejected drafts.
+        # `_holes` (a min-heap) holds the free slots below it. A heap of every free slot would
+        # cost a request-step as much as drafting its tree; the holes are mostly one step's
+        # rejected drafts, so this heap stays small.
         self._next = 1
         self._holes: list[int] = []
 
@@ -61,11 +61,10 @@ class SlotAllocator:
 class SlotList(list):
     """A sequence's slots: a list that also keeps them in a numpy buffer, filled lazily.
 
-    Every step sends each running sequence's cached slots to attention; at 64 requests of 1000
-    tokens, reading 64k ints from Python lists cost ~1.7 ms a step on the 2-core CPU, and the
-    lists change only at their tail. So each mutation records how far the buffer is still valid
-    and `array()` copies only what changed since (`np.concatenate` of 64 such arrays: ~30 us).
-    Every mutating list method is overridden; a plain list in the same place still works (it is
+    Every step sends each running sequence's cached slots to attention; reading tens of
+    thousands of ints from Python lists every step is slow, and the lists change only at their
+    tail. So each mutation records how far the buffer is still valid and `array()` copies only
+    what changed since. Every mutating list method is overridden; a plain list in the same place still works (it is
     read the slow way)."""
 
     __slots__ = ("_buf", "_valid")

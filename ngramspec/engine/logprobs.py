@@ -4,8 +4,9 @@ A speculative step emits several tokens from one verify pass: token i of the ste
 the logits after node path[i] of the tree (path = root, then the accepted nodes), the same row
 plain decoding would have computed for that position, so logprobs with speculation equal plain
 decoding's. Two modes, vLLM's names: `raw_logprobs` (log-softmax of the model's logits) and
-`processed_logprobs` (of the distribution the token is drawn from: penalties, then temperature,
-top-k, top-p and min-p; tokens those rule out get -inf).
+`processed_logprobs` (of the distribution the token is drawn from: logit_bias, min_tokens,
+allowed_token_ids, bad_words and penalties, then temperature, top-k, top-p and min-p; tokens
+those rule out get -inf).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ngramspec.layers.sampler import apply_penalties, target_probs
+from ngramspec.layers.sampler import process_logits, target_probs
 from ngramspec.sampling_params import SamplingParams
 
 
@@ -31,8 +32,8 @@ def _log_distribution(logits: torch.Tensor, params: SamplingParams, prompt_ids: 
     logits = logits.float()
     if params.logprobs_mode == "raw_logprobs":
         return torch.log_softmax(logits, dim=-1)
-    logits = apply_penalties(logits, params, prompt_ids, output_ids)
-    if params.greedy:  # no temperature: the argmax of the penalised logits is what is emitted
+    logits = process_logits(logits, params, prompt_ids, output_ids)
+    if params.greedy:  # no temperature: the argmax of the processed logits is what is emitted
         return torch.log_softmax(logits, dim=-1)
     return torch.log(target_probs(logits, params))
 

@@ -208,9 +208,9 @@ def draft_sizes(p: np.ndarray, tree_of: np.ndarray, num: int, base_tokens: int,
     """`choose_draft_sizes` on the batch's drafts flattened in (tree, node) order: p[j] the
     estimate of draft j, tree_of[j] its tree (of `num`).
 
-    Every m is scored at once (a Python loop over 64 trees x 11 drafts took ~0.8 ms a step on
-    the 2-core CPU); tests/oracles/sizing.py is that loop, which this matches decision for
-    decision: the same float operations in the same order.
+    Every m is scored at once in numpy (a Python loop over a large batch's drafts costs a
+    visible share of its step); tests/oracles/sizing.py is that loop, which this matches
+    decision for decision: the same float operations in the same order.
     """
     base_cost = cost(base_tokens)
     plain = base_scale * base_cost

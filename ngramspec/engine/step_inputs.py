@@ -128,8 +128,9 @@ def tree_lists(parents: np.ndarray, tree_starts: np.ndarray, seq_offsets: np.nda
     token's list is its parent's, then its own slot; a token of an item that is not a tree has
     none. Item b's tokens are seq_offsets[b] .. seq_offsets[b + 1] - 1 ([B + 1]); a tree's
     parents are parents[tree_starts[b]:] (-1 for the root, else an index within the tree before
-    the node's own), tree_starts[b] -1 for other items. A Python loop over the nodes cost
-    ~0.2 ms a step at 64 trees of 12 nodes, and converting its lists to tensors as much again."""
+    the node's own), tree_starts[b] -1 for other items. Compiled, and arrays out: a Python loop
+    over a large batch's nodes, and its lists' conversion to tensors, cost a visible share of a
+    step."""
     num = slots.shape[0]
     offsets = np.zeros(num + 1, np.int64)
     for b in range(seq_offsets.shape[0] - 1):  # each list's length: its depth + 1

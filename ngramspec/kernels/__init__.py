@@ -12,8 +12,8 @@ left out), `avx2` (x86-64-v3: AVX2, FMA, F16C, no AVX-512, as on AMD Zen 2/3 and
 client CPUs) or `scalar` (no vector path). A tier this CPU cannot run is refused by name.
 
 torch guards a build with a lock file that a killed build leaves behind, after which every later
-load waits on it forever (tests here hung so, at collection). Builds here are serialised by an
-flock instead, which the kernel drops with its process: holding it, a torch lock file is stale.
+load waits on it forever. Builds here are serialised by an flock instead, which the kernel drops
+with its process: holding it, a torch lock file is stale.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+
+from ngramspec.progress import build_progress, cache_root
 
 _SOURCES = [Path(__file__).with_name(f) for f in (
     "gguf_kernels.cpp", "gguf_int8.cpp", "amx_linear.cpp", "amx_dense.cpp", "attention.cpp",
@@ -50,6 +52,7 @@ ISA_TIERS: dict[str, tuple[list[str], set[str]]] = {
     "scalar": (["-march=x86-64", "-mtune=native"], set()),
 }
 _LDFLAGS = ["-fopenmp"]  # the soname resolves to torch's libgomp
+_BUILD_DEFAULT_S = 150.0  # the progress estimate before this machine has built once
 _LOCK_TIMEOUT_S = 1800.0  # far beyond a build (~1-2 min on 2 cores): only a stuck builder waits this long
 # A build directory nobody loaded for this long (other revisions' sources, an old torch) is
 # removed by the next load of another: each is ~1 MB of objects, and every edit makes a new one.
@@ -88,8 +91,7 @@ def _build_dir() -> Path:
     for source in sorted(Path(__file__).parent.glob("*.[ch]*")):  # the sources and their headers
         key.update(str(source).encode())
         key.update(source.read_bytes())
-    root = Path(os.environ.get("NGRAMSPEC_CACHE", Path.home() / ".cache" / "ngramspec"))
-    path = root / "kernels" / key.hexdigest()[:16]
+    path = cache_root() / "kernels" / key.hexdigest()[:16]
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -125,7 +127,9 @@ def cpu_kernels() -> ModuleType:
     isa_tier()  # a bad NGRAMSPEC_CPU_ISA stops here, before the fallback's except
     try:  # the directory and its lock are part of the build: an unwritable cache falls back too
         directory = _build_dir()
-        with _exclusive_build(directory):
+        with _exclusive_build(directory), build_progress(
+                f"the CPU kernels ({isa_tier()} tier)", f"kernels-{isa_tier()}",
+                _BUILD_DEFAULT_S, enabled=not (directory / "ngramspec_cpu.so").exists()):
             module = load(
                 name="ngramspec_cpu",
                 sources=[str(s) for s in _SOURCES],

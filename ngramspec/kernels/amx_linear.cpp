@@ -1,8 +1,8 @@
 // GGUF Q4_0 / Q4_1 / Q8_0 matrices multiplied on Intel AMX tiles (bf16 products, fp32 sums).
 //
 // Why: the AVX-512 block kernel (gguf_kernels.cpp) spends ~17 vector ops per 32 weights per
-// output on dequantising, and every extra row costs two more FMAs per 32 weights: one row ~11 ms
-// for SmolLM2-135M, eight rows ~24 ms. Here each 16-output x 32-input tile of weights is
+// output on dequantising, and every extra row costs two more FMAs per 32 weights, so a draft
+// tree's rows cost well above one token's. Here each 16-output x 32-input tile of weights is
 // dequantised once into bf16 and one TDPBF16PS multiplies it with up to 16 rows at once, so 1
 // to 16 rows cost the same: verifying a draft tree is as cheap as decoding one token.
 //

@@ -1,8 +1,8 @@
 // Every decoder layer of a Llama-family model in one call (CPU, GGUF weights, one rank).
 //
 // Why: at one token a layer is ten small kernel calls, and driving them from Python (module
-// calls, argument conversion, tensor wrappers) took about a quarter of a decode step of
-// SmolLM2-135M on 2 cores (py-spy). This loop makes the same calls, in the same order, on the
+// calls, argument conversion, tensor wrappers) costs a large share of a small model's decode
+// step. This loop makes the same calls, in the same order, on the
 // same tensors as LlamaForCausalLM's Python layers (models/llama.py), so its outputs are bitwise
 // those of the Python path; it only drops the interpreter between them.
 

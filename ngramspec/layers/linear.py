@@ -3,10 +3,9 @@
 MKL's sgemm (what F.linear calls on CPU) switches from a matrix-vector to a matrix-matrix path
 between 1 and 2 rows, so verifying a few draft tokens costs almost twice one token. oneDNN's
 matmul on a plain weight is flatter, and on a weight reordered once into its blocked layout it is
-flat: measured here on SmolLM2's shapes, 2 to 4 rows cost the same as 1 (the 49152-row LM head:
-2.1 / 2.3 / 2.4 ms at 1 / 2 / 4 rows, against 2.5 / 3.7 / 3.8 ms unpacked), and every row count
-up to a 128-token prefill chunk is faster too. That flat curve is what makes verifying a draft
-tree nearly free on a CPU.
+flat: on SmolLM2's shapes 2 to 4 rows cost about as much as 1, and every row count up to a
+128-token prefill chunk is faster than unpacked too. That flat curve is what makes verifying a
+draft tree nearly free on a CPU.
 
 bf16 weights on a CPU with AMX run on AMX tiles instead (`kernels/amx_dense.cpp`): oneDNN's bf16
 blocking depends on the row count, so a token's sums differ inside a draft tree and bf16

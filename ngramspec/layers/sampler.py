@@ -1,4 +1,5 @@
-"""Logit processing and sampling for one row at a time (penalties depend on each row's history)."""
+"""Logit processing and sampling for one row at a time (penalties, min_tokens and bad_words
+depend on each row's history)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,44 @@ def apply_penalties(
     return logits
 
 
+def process_logits(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]
+) -> torch.Tensor:
+    """Everything before temperature, in vLLM's order: allowed_token_ids, then bad_words, then
+    min_tokens and logit_bias, then the penalties. `output_ids`: the output before this row."""
+    # logits: [V]
+    if not params.processes_logits:
+        return logits
+    vocab = logits.shape[0]
+    if params.allowed_token_ids is not None:
+        keep = torch.tensor([t for t in params.allowed_token_ids if t < vocab], dtype=torch.long,
+                            device=logits.device)
+        logits = torch.full_like(logits, float("-inf")).index_copy(0, keep, logits[keep])
+    banned = [t for t in banned_tokens(params, output_ids) if t < vocab]
+    if banned:
+        logits = logits.index_fill(
+            0, torch.tensor(banned, dtype=torch.long, device=logits.device), float("-inf"))
+    if params.logit_bias:
+        ids = [t for t in params.logit_bias if t < vocab]
+        bias = torch.tensor([params.logit_bias[t] for t in ids], dtype=logits.dtype,
+                            device=logits.device)
+        logits = logits.index_add(0, torch.tensor(ids, dtype=torch.long, device=logits.device),
+                                  bias)
+    return apply_penalties(logits, params, prompt_ids, output_ids)
+
+
+def banned_tokens(params: SamplingParams, output_ids: list[int]) -> list[int]:
+    """Tokens that may not come next: the stop tokens while the output is shorter than
+    min_tokens, and the last token of each bad word whose other tokens end the output (vLLM
+    matches bad words against the output only, not the prompt)."""
+    banned = list(params.all_stop_token_ids) if len(output_ids) < params.min_tokens else []
+    for word in params.bad_words_token_ids:
+        head = len(word) - 1
+        if head <= len(output_ids) and (head == 0 or tuple(output_ids[-head:]) == word[:-1]):
+            banned.append(word[-1])
+    return banned
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution plain decoding samples from: temperature, top-k, top-p, min-p."""
     # logits: [V] (penalties already applied) -> probs [V]
@@ -53,7 +92,7 @@ def sample_token(
     generator: torch.Generator | None,
 ) -> int:
     """One token from one row of logits, exactly as plain decoding would draw it."""
-    logits = apply_penalties(logits, params, prompt_ids, output_ids)
+    logits = process_logits(logits, params, prompt_ids, output_ids)
     if params.greedy:
         return argmax_rows(logits[None])[0]
     probs = target_probs(logits, params)

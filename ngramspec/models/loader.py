@@ -1,6 +1,7 @@
 """Find, convert and load model weights and tokenizers.
 
-A model is either a GGUF file or a Hugging Face directory (config.json + *.safetensors).
+A model is either a GGUF file or a Hugging Face directory (config.json + *.safetensors), given
+as a path or as a Hugging Face model id (`org/name`) already in the local HF cache.
 A GGUF file is dequantised once into a cache directory keyed by the file's hash, holding
 config.json, model.safetensors and the tokenizer files, so later starts load in seconds.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -43,8 +45,55 @@ def default_model_path() -> Path:
     return path
 
 
+# A Hugging Face model id: `org/name`, each part letters, digits, `-`, `_` or `.`.
+_HF_MODEL_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def is_hf_model_id(model: str | os.PathLike) -> bool:
+    """Whether `model` names a Hugging Face model rather than a local path: `org/name` that is
+    not an existing path (a local path always wins, as in transformers)."""
+    text = str(model)
+    return (bool(_HF_MODEL_ID.fullmatch(text)) and not text.endswith(".gguf")
+            and not Path(text).expanduser().exists())
+
+
+def resolve_hf_model(repo_id: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The model an HF id names in the local HF cache (`HF_HUB_CACHE`, else huggingface_hub's
+    default): its snapshot directory (config.json) or its one GGUF file. Never downloads: an
+    engine start must not depend on the network, and a download is the user's explicit step."""
+    from huggingface_hub import constants, snapshot_download
+
+    cache = cache_dir or os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    try:
+        snapshot = Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
+    except (OSError, ValueError) as e:  # not cached, an incomplete snapshot, a malformed id
+        raise ModelLoadError(
+            f"model {repo_id!r} is not a local path and not in the Hugging Face cache {cache} "
+            f"({type(e).__name__}); ngramspec does not download models: fetch it first "
+            f"(`hf download {repo_id}`) or pass a local GGUF file or model directory") from e
+    return _snapshot_model(repo_id, snapshot)
+
+
+def _snapshot_model(repo_id: str, snapshot: Path) -> Path:
+    if (snapshot / "config.json").is_file():
+        return snapshot
+    ggufs = sorted(snapshot.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if ggufs:
+        names = ", ".join(g.name for g in ggufs)
+        raise ModelLoadError(f"{repo_id}: the cached snapshot holds several GGUF files ({names}); "
+                             f"pass one of them as a path under {snapshot}")
+    raise ModelLoadError(f"{repo_id}: the cached snapshot {snapshot} has neither config.json "
+                         "nor a .gguf file")
+
+
 def _model_path(model: str | os.PathLike | None) -> Path:
-    return default_model_path() if model is None else Path(model).expanduser()
+    if model is None:
+        return default_model_path()
+    if is_hf_model_id(model):
+        return resolve_hf_model(str(model))
+    return Path(model).expanduser()
 
 
 def gguf_file(model: str | os.PathLike | None) -> Path | None:

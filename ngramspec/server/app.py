@@ -17,8 +17,16 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
-from ngramspec.server import admin_routes, completions, corpus_routes, learned
+from ngramspec.server import (
+    admin_routes,
+    completions,
+    corpus_routes,
+    learned,
+    openapi,
+    tokenize_routes,
+)
 from ngramspec.server.protocol import ApiError
 from ngramspec.server.security import ApiKeyMiddleware, BodyLimitMiddleware
 from ngramspec.server.state import ServerState
@@ -26,23 +34,42 @@ from ngramspec.server.state import ServerState
 log = logging.getLogger("ngramspec.server")
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
           "/v1/corpora", "/v1/learned", "/v1/learned/save", "/v1/learned/restore",
-          "/v1/learned/flush", "/update_weights_from_disk", "/flush_cache")
+          "/v1/learned/flush", "/update_weights_from_disk", "/flush_cache", "/tokenize",
+          "/detokenize", "/docs", "/redoc", "/openapi.json")
 
 
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="ngramspec", lifespan=_lifespan(state), docs_url=None, redoc_url=None)
+    app = FastAPI(title="ngramspec", version=_version(), lifespan=_lifespan(state),
+                  description="OpenAI-compatible server with lossless n-gram speculative "
+                  "decoding (vLLM's extra routes and fields too).")
     app.state.server = state
     app.include_router(completions.router)
+    app.include_router(tokenize_routes.router)
     app.include_router(corpus_routes.router)
     app.include_router(admin_routes.router)
     _add_basic_routes(app)
     _add_error_handlers(app)
-    # Added last = outermost: count every request, check the key before buffering a body.
+    openapi.install(app)
+    # Added last = outermost: count every request, answer CORS preflights without a key (a
+    # browser never sends one with them), check the key before buffering a body.
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.settings.max_body_bytes)
     if state.settings.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=state.settings.api_key)
+    if state.settings.allowed_origins:
+        # vLLM's defaults for --allowed-methods / --allowed-headers: all of them.
+        app.add_middleware(CORSMiddleware, allow_origins=state.settings.allowed_origins,
+                           allow_methods=["*"], allow_headers=["*"])
     app.add_middleware(RequestCounter, state=state)
     return app
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ngramspec")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "0.0.0"
 
 
 def _lifespan(state: ServerState) -> Any:
@@ -98,18 +125,22 @@ def _add_basic_routes(app: FastAPI) -> None:
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(request.app.state.server)]}
+        state: ServerState = request.app.state.server
+        return {"object": "list",
+                "data": [_model_card(state, name) for name in completions.served_names(state)]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str, request: Request) -> dict[str, Any]:
         state: ServerState = request.app.state.server
         completions.check_model(state, model)
-        return _model_card(state)
+        return _model_card(state, model)
 
 
-def _model_card(state: ServerState) -> dict[str, Any]:
-    return {"id": state.model_name, "object": "model", "created": state.created,
-            "owned_by": "ngramspec", "max_model_len": state.max_model_len}
+def _model_card(state: ServerState, name: str) -> dict[str, Any]:
+    """`root`: the served name every alias stands for (as vLLM's cards say)."""
+    return {"id": name, "object": "model", "created": state.created,
+            "owned_by": "ngramspec", "root": state.model_name,
+            "max_model_len": state.max_model_len}
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -20,6 +20,7 @@ from ngramspec.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     bad_request,
+    check_token_ids,
     parse_json,
     sampling_params,
     validate,
@@ -27,11 +28,13 @@ from ngramspec.server.protocol import (
 from ngramspec.server.state import ServerState
 from ngramspec.server.text import TextAssembler
 from ngramspec.server.tool_calls import (
+    ChatTools,
     ToolCall,
     ToolCallParser,
+    chat_tools,
     render_messages,
+    select_format,
     template_knows_tools,
-    tool_call_grammar,
 )
 from ngramspec.structured.grammar import GrammarError
 from ngramspec.structured.params import StructuredOutputsParams
@@ -63,7 +66,8 @@ class Generation:
     prompt_logprobs: list = field(default_factory=list)  # echo's prompt tokens 1..
     tools: ToolCallParser | None = None  # chat with tools: splits the text into content + calls
     tool_mode: str = "none"  # "auto", "required", "named" or "none"
-    index: int = 0  # the choice this generation answers (n > 1)
+    index: int = 0  # the choice this generation answers (prompts x n, in OpenAI's order)
+    prompt_index: int = 0  # which of the request's prompts it continues
     spec: SpecStats | None = None  # its speculation counters, once finished
 
     def logprobs_body(self, entries: list, prompt: list | None = None) -> dict[str, Any] | None:
@@ -87,8 +91,13 @@ async def create_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
     req = validate(CompletionRequest, parse_json(await request.body()))
     check_model(state, req.model)
-    prompt_ids = await _completion_prompt(state, req.prompt)
-    return await _respond(request, state, req, prompt_ids, "completion", arrival,
+    items = prompt_items(req.prompt)
+    if len(items) > state.settings.max_in_flight:
+        raise bad_request(f"at most {state.settings.max_in_flight} prompts per request (got "
+                          f"{len(items)})", "prompt")
+    prompts = [await _completion_prompt(state, item, i if len(items) > 1 else None)
+               for i, item in enumerate(items)]
+    return await _respond(request, state, req, prompts, "completion", arrival,
                           state.settings.completion_default_max_tokens)
 
 
@@ -100,11 +109,16 @@ async def create_chat_completion(request: Request) -> Response:
     check_model(state, req.model)
     mode = req.tool_mode
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if mode != "none" else None
-    knows_tools = template_knows_tools(getattr(state.tokenizer, "chat_template", None))
+    template = getattr(state.tokenizer, "chat_template", None)
+    knows_tools = template_knows_tools(template)
+    fmt = select_format(state.settings.tool_call_parser, template)
     messages = render_messages([m.as_template_message() for m in req.messages], tools,
-                               knows_tools)
+                               knows_tools, fmt)
+    setup = chat_tools(fmt, tools, state.tokenizer) if tools else None
+    options = req.template_options()
     try:
-        prompt_ids = await state.encoder.chat(messages, tools if knows_tools else None)
+        prompt_ids = await state.encoder.chat(messages, tools if knows_tools else None,
+                                              **options)
     except Exception as e:  # the chat template rejects the conversation (e.g. role order)
         raise bad_request(f"messages: the chat template failed: {e}", "messages") from e
     structured = req.structured()
@@ -113,56 +127,71 @@ async def create_chat_completion(request: Request) -> Response:
             raise bad_request(f"tool_choice {mode!r} already constrains the output; drop "
                               "response_format / structured_outputs", "tool_choice")
         name = req.tool_choice.function.name if mode == "named" else None
+        assert setup is not None and tools  # tool_mode is "none" without tools
         structured = StructuredOutputsParams(
-            grammar=tool_call_grammar(tools or [], name, req.parallel_tool_calls))
-    return await _respond(request, state, req, prompt_ids, "chat", arrival, None, structured,
-                          mode, {t["function"]["name"] for t in tools or []})
+            grammar=setup.grammar(tools, name, req.parallel_tool_calls))
+    return await _respond(request, state, req, [prompt_ids], "chat", arrival, None, structured,
+                          mode, setup)
+
+
+def served_names(state: ServerState) -> list[str]:
+    """Every name clients may send as `model`: the served name first, then its aliases."""
+    return list(dict.fromkeys([state.model_name, *state.settings.model_aliases]))
 
 
 def check_model(state: ServerState, model: str) -> None:
-    if model != state.model_name:
-        raise ApiError(404, f"The model {model!r} does not exist; this server serves "
-                       f"{state.model_name!r}", "model", code="model_not_found")
+    if model not in served_names(state):
+        names = " or ".join(repr(n) for n in served_names(state))
+        raise ApiError(404, f"The model {model!r} does not exist; this server serves {names}",
+                       "model", code="model_not_found")
 
 
-async def _completion_prompt(state: ServerState, prompt: Any) -> list[int]:
+def prompt_items(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """OpenAI's `prompt` as a list of prompts: a string or token ids is one, a list of strings
+    or of token-id lists is several (an empty list is one empty prompt)."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise bad_request("batched prompts are not supported: send one prompt per request",
-                              "prompt", code="unsupported_parameter")
-        prompt = prompt[0]
+        return list(prompt)
+    return [prompt]  # type: ignore[list-item]
+
+
+async def _completion_prompt(state: ServerState, prompt: str | list[int],
+                             index: int | None = None) -> list[int]:
+    """`index`: the prompt's place in a list of several (named in errors)."""
+    which = "the prompt" if index is None else f"prompt {index}"
     ids = await state.encoder.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
-        raise bad_request("the prompt is empty", "prompt")
+        raise bad_request(f"{which} is empty", "prompt")
     if any(not 0 <= t < state.vocab_size for t in ids):
-        raise bad_request(f"prompt token ids must be in [0, {state.vocab_size})", "prompt")
+        raise bad_request(f"{which}: token ids must be in [0, {state.vocab_size})", "prompt")
     return ids
 
 
-async def _respond(request: Request, state: ServerState, req: Any, prompt_ids: list[int],
+async def _respond(request: Request, state: ServerState, req: Any, prompts: list[list[int]],
                    kind: str, arrival: float, default_max_tokens: int | None,
                    structured: StructuredOutputsParams | None = None, tool_mode: str = "none",
-                   tool_names: set[str] | None = None) -> Response:
+                   tools: ChatTools | None = None) -> Response:
+    """`prompts`: one (chat) or several (completions' list of prompts), each with its choices."""
+    check_token_ids(req, state.vocab_size)
     if kind == "completion":
         structured = req.structured()
     if structured is not None:
         await _compile(state, structured, "tool_choice" if tool_mode != "none"
                        else _structured_param(req))
-    params = sampling_params(req, len(prompt_ids), state.max_model_len, default_max_tokens,
-                             structured)
+    params = [_prompt_params(req, ids, i if len(prompts) > 1 else None, state.max_model_len,
+                             default_max_tokens, structured) for i, ids in enumerate(prompts)]
     references = None
     if req.ngram is not None and req.ngram.references:
         encoded = [await state.encoder.encode(r) for r in req.ngram.references]
         references = [ids for ids in encoded if ids] or None
-    gens = await _admit(state, req, kind, prompt_ids, params, references, arrival)
+    gens = await _admit(state, req, kind, prompts, params, references, arrival)
+    echoes = _echo_texts(state, req.prompt, prompts) if getattr(req, "echo", False) else None
     for gen in gens:
-        if tool_mode != "none":
-            gen.tools, gen.tool_mode = ToolCallParser(tool_names or set()), tool_mode
-        if getattr(req, "echo", False):
-            prompt = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and \
-                isinstance(req.prompt[0], (str, list)) else req.prompt
-            gen.echo = prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt_ids)
-            gen.echo_first_id = prompt_ids[0]
+        if tools is not None:
+            gen.tools, gen.tool_mode = tools.parser(), tool_mode
+            gen.text = tools.text(gen.text)  # keeps the markers the parser reads
+        if echoes is not None:
+            gen.echo = echoes[gen.prompt_index]
+            gen.echo_first_id = prompts[gen.prompt_index][0]
 
     def close() -> None:
         for gen in gens:
@@ -177,19 +206,43 @@ async def _respond(request: Request, state: ServerState, req: Any, prompt_ids: l
         close()
     if choices is None:  # the client left; nobody reads this
         return Response(status_code=499)
-    if len(choices) > req.n:  # best_of: the n most likely candidates, best first
-        choices = best_choices(gens, choices, req.n, keep_logprobs=req.logprobs is not None)
+    per_prompt = len(choices) // len(prompts)
+    if per_prompt > req.n:  # best_of: each prompt's n most likely candidates, best first
+        choices = [c for p in range(len(prompts)) for c in best_choices(
+            gens[p * per_prompt : (p + 1) * per_prompt],
+            choices[p * per_prompt : (p + 1) * per_prompt], req.n,
+            keep_logprobs=req.logprobs is not None, first_index=p * req.n)]
     return JSONResponse(_full_body(gens, choices))
 
 
+def _prompt_params(req: Any, prompt_ids: list[int], index: int | None, max_model_len: int,
+                   default_max_tokens: int | None,
+                   structured: StructuredOutputsParams | None) -> Any:
+    """One prompt's SamplingParams; with several prompts, a context error names the prompt."""
+    try:
+        return sampling_params(req, len(prompt_ids), max_model_len, default_max_tokens,
+                               structured)
+    except ApiError as e:
+        if index is not None and e.code == "context_length_exceeded":
+            e.message = f"prompt {index}: {e.message}"
+        raise
+
+
+def _echo_texts(state: ServerState, prompt: Any, prompts: list[list[int]]) -> list[str]:
+    """Each prompt's text for echo: as sent, or its token ids decoded."""
+    return [item if isinstance(item, str) else state.tokenizer.decode(ids)
+            for item, ids in zip(prompt_items(prompt), prompts)]
+
+
 def best_choices(gens: list[Generation], choices: list[dict[str, Any]], n: int,
-                 keep_logprobs: bool) -> list[dict[str, Any]]:
-    """The n candidates with the highest total log-probability (OpenAI's best_of), re-indexed."""
+                 keep_logprobs: bool, first_index: int = 0) -> list[dict[str, Any]]:
+    """The n candidates with the highest total log-probability (OpenAI's best_of), re-indexed
+    from `first_index` (one prompt's candidates of several)."""
     score = [sum(e.logprob for e in gen.logprobs) for gen in gens]
     best = sorted(range(len(choices)), key=lambda i: -score[i])[:n]
     out = []
     for rank, i in enumerate(best):
-        choice = {**choices[i], "index": rank}
+        choice = {**choices[i], "index": first_index + rank}
         if not keep_logprobs:
             choice["logprobs"] = None
         out.append(choice)
@@ -218,29 +271,52 @@ def _structured_param(req: Any) -> str:
     return "response_format"
 
 
-async def _admit(state: ServerState, req: Any, kind: str, prompt_ids: list[int], params: Any,
-                 references: list[list[int]] | None, arrival: float) -> list[Generation]:
-    if state.engine.num_in_flight >= state.settings.max_in_flight:
+async def _admit(state: ServerState, req: Any, kind: str, prompts: list[list[int]],
+                 params: list[Any], references: list[list[int]] | None,
+                 arrival: float) -> list[Generation]:
+    """Every prompt's choices, in choice order; if one prompt is refused, none runs."""
+    if state.engine.num_in_flight + len(prompts) > state.settings.max_in_flight:
         raise ApiError(429, f"too many requests in flight ({state.settings.max_in_flight})",
                        type="rate_limit_error", code="overloaded")
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    gens: list[Generation] = []
     try:
-        streams = await state.engine.add_choices(request_id, prompt_ids, params, references)
+        for p, (prompt_ids, prompt_params) in enumerate(zip(prompts, params)):
+            # the engine's id of each prompt; the response keeps request_id
+            engine_id = request_id if len(prompts) == 1 else f"{request_id}-{p}"
+            streams = await _add(state, kind, engine_id, prompt_ids, prompt_params, references,
+                                 p if len(prompts) > 1 else None)
+            state.metrics.on_prompt(len(prompt_ids))
+            for i, stream in enumerate(streams):
+                gen = Generation(kind, request_id, state.model_name, created, len(prompt_ids),
+                                 stream, TextAssembler(state.tokenizer, prompt_params.stop,
+                                                       prompt_params.skip_special_tokens,
+                                                       prompt_params.include_stop_str_in_output),
+                                 req.include_usage, arrival, index=p * len(streams) + i,
+                                 prompt_index=p)
+                if prompt_params.logprobs is not None:
+                    gen.num_top_logprobs = prompt_params.logprobs
+                    gen.token_text = TokenText(state.tokenizer)
+                gens.append(gen)
+    except BaseException:
+        for gen in gens:
+            gen.stream.close()
+        raise
+    return gens
+
+
+async def _add(state: ServerState, kind: str, engine_id: str, prompt_ids: list[int],
+               params: Any, references: list[list[int]] | None,
+               index: int | None) -> list[RequestStream]:
+    try:
+        return await state.engine.add_choices(engine_id, prompt_ids, params, references)
     except EngineStopped as e:
         raise ApiError(503, str(e), type="server_error", code="shutting_down") from e
     except ValueError as e:  # the engine's own checks: prompt vs context, KV capacity
-        raise bad_request(str(e), "messages" if kind == "chat" else "prompt") from e
-    state.metrics.prompt_tokens.inc(len(prompt_ids))
-    gens = []
-    for index, stream in enumerate(streams):
-        gen = Generation(kind, request_id, state.model_name, int(time.time()), len(prompt_ids),
-                         stream, TextAssembler(state.tokenizer, params.stop), req.include_usage,
-                         arrival, index=index)
-        if params.logprobs is not None:
-            gen.num_top_logprobs, gen.token_text = params.logprobs, TokenText(state.tokenizer)
-        gens.append(gen)
-    return gens
+        message = str(e) if index is None else f"prompt {index}: {e}"
+        raise bad_request(message, "messages" if kind == "chat" else "prompt") from e
 
 
 # ---- consuming events -----------------------------------------------------------------------
@@ -251,23 +327,19 @@ def _observe(state: ServerState, gen: Generation, event: TokenEvent) -> None:
         return
     now, m = time.perf_counter(), state.metrics
     if gen.last_token_time is None:
-        m.ttft.observe(now - gen.arrival)
+        m.on_first_token(now - gen.arrival)
         n -= 1  # the first token's wait is TTFT, not ITL
     else:
-        gap = (now - gen.last_token_time) / n
-        for _ in range(n):
-            m.itl.observe(gap)
+        m.on_token_gap((now - gen.last_token_time) / n, n)
     gen.last_token_time = now
     gen.num_output_tokens += len(event.token_ids)
-    m.generation_tokens.inc(len(event.token_ids))
+    m.on_tokens(len(event.token_ids))
 
 
 def _finish(state: ServerState, gen: Generation, event: TokenEvent) -> None:
-    if event.error is not None:
-        state.metrics.finished.labels("error").inc()
-        return
-    state.metrics.finished.labels(event.finish_reason).inc()
-    state.metrics.e2e.observe(time.perf_counter() - gen.arrival)
+    reason = None if event.error is not None else event.finish_reason
+    state.metrics.on_finish(reason, time.perf_counter() - gen.arrival, gen.num_prompt_tokens,
+                            gen.num_output_tokens)
 
 
 async def _collect(state: ServerState, gen: Generation) -> dict[str, Any]:
@@ -309,10 +381,11 @@ async def _disconnected(request: Request) -> None:
 # ---- bodies ---------------------------------------------------------------------------------
 
 def usage(gens: list[Generation]) -> dict[str, int]:
-    """The prompt once (its K/V is shared by the choices), every choice's completion."""
+    """Each prompt once (its K/V is shared by its choices), every choice's completion."""
+    prompt = sum({g.prompt_index: g.num_prompt_tokens for g in gens}.values())
     completion = sum(g.num_output_tokens for g in gens)
-    return {"prompt_tokens": gens[0].num_prompt_tokens, "completion_tokens": completion,
-            "total_tokens": gens[0].num_prompt_tokens + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
 
 
 def speculation(specs: list[SpecStats | None]) -> dict[str, Any]:

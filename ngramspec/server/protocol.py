@@ -1,9 +1,18 @@
 """OpenAI request models, the OpenAI error body, and the checks that turn a request into
 SamplingParams.
 
-Unknown fields are ignored, as OpenAI's API does for fields it does not know. Fields OpenAI
-defines but we cannot honour (n > 1, logit_bias, ...) get a 400 naming the field, so a client
-never silently gets something other than what it asked for.
+Unknown fields are ignored, as OpenAI's API does for fields it does not know. Fields OpenAI or
+vLLM define but we cannot honour (`suffix`, `use_beam_search`, `priority`, ... : UNSUPPORTED)
+get a 400 with code `unsupported_parameter` naming the field, unless their value asks for
+nothing (null, false, 0, the default), so a client never silently gets something other than
+what it asked for. A null optional field means its default, as the openai client sends an
+explicit None; types stay strict otherwise ("0.5" is not a number).
+
+vLLM's sampling extensions are honoured on both routes, with vLLM's meaning: `top_k`, `min_p`,
+`repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `logit_bias` (OpenAI's too),
+`allowed_token_ids`, `bad_words`, `include_stop_str_in_output`, `skip_special_tokens`; and on
+chat `chat_template_kwargs`, `add_generation_prompt`, `continue_final_message` and
+`add_special_tokens`.
 
 Structured outputs come as OpenAI's `response_format` or vLLM's extra-body fields
 (`structured_outputs: {json|regex|choice|grammar|json_object}`, and the older `guided_json`,
@@ -15,9 +24,16 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from ngramspec.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 from ngramspec.structured.params import StructuredOutputsParams
@@ -25,6 +41,13 @@ from ngramspec.structured.params import StructuredOutputsParams
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MIN_TEMPERATURE = 1e-5
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+# apply_chat_template's own arguments: chat_template_kwargs may not set them (they are fields of
+# their own, or ours to set; "chat_template" would run the client's Jinja)
+TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 class ApiError(Exception):
@@ -95,7 +118,22 @@ class StructuredOutputsBody(_Strict):
     whitespace_pattern: str | None = None
 
 
+# OpenAI's logit_bias: token id (a string key in JSON) -> bias added to its logit
+LogitBias = dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]]
+
+
 class _GenerationRequest(_Strict):
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """A null optional field is its default: OpenAI documents its optional fields as
+        nullable, and the openai client sends an explicit None as null."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or k not in fields or fields[k].is_required()}
+
     model: str
     max_tokens: int | None = None
     temperature: float = Field(1.0, ge=0, le=2)
@@ -121,6 +159,13 @@ class _GenerationRequest(_Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    logit_bias: LogitBias | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def structured(self) -> StructuredOutputsParams | None:
         """What the output must match, from whichever field asked; 400 if several did."""
@@ -267,6 +312,33 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's chat template fields
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    add_generation_prompt: bool | None = None  # None: True unless continue_final_message
+    continue_final_message: bool = False  # the last (assistant) message is continued
+    add_special_tokens: bool = False  # the tokenizer's BOS etc. on top of the template's
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_template_arguments(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        if taken := sorted(TEMPLATE_ARGUMENTS & set(kwargs or {})):
+            raise ValueError(f"{', '.join(taken)} cannot be set here (a request field of its "
+                             "own, or the server's)")
+        return kwargs
+
+    def template_options(self) -> dict[str, Any]:
+        """Encoder.chat's keyword arguments for this request's template fields."""
+        add_prompt = self.add_generation_prompt
+        if add_prompt is None:
+            add_prompt = not self.continue_final_message
+        if add_prompt and self.continue_final_message:
+            raise bad_request("add_generation_prompt and continue_final_message cannot both be "
+                              "true", "continue_final_message")
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.continue_final_message:
+            kwargs["continue_final_message"] = True
+        return {"template_kwargs": kwargs or None, "add_generation_prompt": add_prompt,
+                "add_special_tokens": self.add_special_tokens}
 
     @property
     def tool_mode(self) -> str:
@@ -329,23 +401,57 @@ def _nothing(value: Any) -> bool:
         or value == {}
 
 
-# Fields OpenAI defines that we cannot honour, and which of their values ask for nothing.
+# Fields OpenAI or vLLM define that we cannot honour, and which of their values ask for nothing.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    # OpenAI's
     "suffix": _nothing,
-    "logit_bias": _nothing,
     "functions": _nothing,  # the deprecated form of tools
     "function_call": lambda v: v is None or v == "none",
     "audio": _nothing,
     "modalities": lambda v: v is None or v == ["text"],
     "prediction": _nothing,
+    # vLLM's request extensions
+    "use_beam_search": _nothing,
+    "length_penalty": lambda v: v is None or v == 1,
+    "truncate_prompt_tokens": lambda v: v is None,
+    "prompt_logprobs": lambda v: v is None,  # completions: echo with logprobs gives them
+    "spaces_between_special_tokens": lambda v: v is None or v is True,
+    "guided_decoding_backend": _nothing,
+    "structural_tag": _nothing,
+    "priority": _nothing,
+    "request_id": lambda v: v is None,
+    "logits_processors": _nothing,
+    "return_tokens_as_token_ids": _nothing,
+    "return_token_ids": _nothing,
+    "cache_salt": lambda v: v is None,
+    "kv_transfer_params": _nothing,
+    "vllm_xargs": _nothing,
+    "mm_processor_kwargs": _nothing,
+    "prompt_embeds": _nothing,
+}
+# ... and those of one route only (vLLM's meaning there)
+UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
+    "echo": _nothing,  # vLLM: the reply is prefixed with the last message of its role
+    "best_of": lambda v: _nothing(v) or v == 1,
+    "documents": _nothing,
+    "chat_template": lambda v: v is None,  # the client's Jinja: not run on this server
+}
+UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {
+    # prompts are encoded without special tokens (as LLM.generate does); vLLM's default adds them
+    "add_special_tokens": lambda v: v is None or v is False,
 }
 
 
-def check_unsupported(body: dict[str, Any]) -> None:
-    for name, asks_nothing in UNSUPPORTED.items():
+def check_unsupported(body: dict[str, Any],
+                      route_fields: dict[str, Callable[[Any], bool]] | None = None) -> None:
+    for name, asks_nothing in (UNSUPPORTED | (route_fields or {})).items():
         if name in body and not asks_nothing(body[name]):
             raise bad_request(f"ngramspec does not support {name}={body[name]!r}", name,
                               code="unsupported_parameter")
+    options = body.get("stream_options")
+    if isinstance(options, dict) and not _nothing(options.get("continuous_usage_stats")):
+        raise bad_request("ngramspec does not support stream_options.continuous_usage_stats",
+                          "stream_options.continuous_usage_stats", code="unsupported_parameter")
     messages = body.get("messages")
     for i, message in enumerate(messages if isinstance(messages, list) else []):
         if not isinstance(message, dict):
@@ -365,7 +471,8 @@ def validate(model: type[BaseModel], body: Any) -> Any:
     """The body as `model`; OpenAI-style 400 naming the first bad field otherwise."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    check_unsupported(body)
+    route = {ChatCompletionRequest: UNSUPPORTED_CHAT, CompletionRequest: UNSUPPORTED_COMPLETION}
+    check_unsupported(body, route.get(model))
     try:
         return model.model_validate(body)
     except ValidationError as e:
@@ -395,8 +502,9 @@ def sampling_params(req: _GenerationRequest, num_prompt_tokens: int, max_model_l
     max_tokens = req.requested_max_tokens
     param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None \
         else "max_tokens"
-    if max_tokens is None:
-        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    if max_tokens is None:  # at least min_tokens (else that is a 400 below), within the room
+        default = room if default_max_tokens is None else max(default_max_tokens, req.min_tokens)
+        max_tokens = min(default, room)
     elif max_tokens > room:
         raise bad_request(f"this model's context is {max_model_len} tokens; the prompt has "
                           f"{num_prompt_tokens}, so {param} must be at most {room} "
@@ -422,9 +530,24 @@ def sampling_params(req: _GenerationRequest, num_prompt_tokens: int, max_model_l
             speculative=req.ngram is None or req.ngram.enabled,
             logprobs=_logprobs_for(req), logprobs_mode=req.logprobs_mode,
             prompt_logprobs=getattr(req, "requested_prompt_logprobs", None),
-            structured_outputs=structured)
+            structured_outputs=structured, min_tokens=req.min_tokens,
+            stop_token_ids=list(req.stop_token_ids or []),
+            logit_bias=dict(req.logit_bias) if req.logit_bias else None,
+            allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words or None,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens)
     except ValueError as e:
         raise bad_request(str(e).removeprefix("SamplingParams."), _param_of(str(e), param)) from e
+
+
+def check_token_ids(req: _GenerationRequest, vocab_size: int) -> None:
+    """logit_bias and allowed_token_ids name tokens of this model (400 otherwise, as vLLM)."""
+    for name, ids in (("logit_bias", list(req.logit_bias or {})),
+                      ("allowed_token_ids", req.allowed_token_ids or [])):
+        bad = [t for t in ids if not (str(t).isdigit() and int(t) < vocab_size)]
+        if bad:
+            raise bad_request(f"{name}: token ids must be integers in [0, {vocab_size}) "
+                              f"(got {bad[:8]})", name)
 
 
 def _logprobs_for(req: _GenerationRequest) -> int | None:

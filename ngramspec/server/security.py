@@ -31,8 +31,9 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 
 class ApiKeyMiddleware:
-    """Every route but /health and /metrics (the /v1 API and the admin routes such as
-    /update_weights_from_disk) needs `Authorization: Bearer <key>`."""
+    """Every route but OPEN_PATHS (/health, /metrics, the API docs) needs
+    `Authorization: Bearer <key>`: the /v1 API, /tokenize, the admin routes such as
+    /update_weights_from_disk."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
@@ -51,7 +52,9 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers carry no key
+# Probes and scrapers carry no key; nor does a browser fetching the API docs (the schema says
+# nothing the code does not).
+OPEN_PATHS = ("/health", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
 class BodyLimitMiddleware:

@@ -18,6 +18,7 @@ from ngramspec.engine.engine import LLMEngine
 from ngramspec.server import learned
 from ngramspec.server.async_engine import AsyncEngine
 from ngramspec.server.metrics import ServerMetrics
+from ngramspec.server.tool_calls import TOOL_CALL_PARSERS
 
 log = logging.getLogger("ngramspec.server")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -26,6 +27,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 @dataclass(slots=True)
 class ServerSettings:
     model_name: str | None = None  # served name; None = derived from the model path
+    # further names clients may send as `model` (vLLM's --served-model-name takes several)
+    model_aliases: list[str] = field(default_factory=list)
     api_key: str | None = None  # every /v1 route needs "Authorization: Bearer <key>"
     corpus_dir: str | None = None  # the only directory routes may read or write
     corpus_files: list[str] = field(default_factory=list)  # loaded at start (.ngc or text)
@@ -35,6 +38,9 @@ class ServerSettings:
     max_in_flight: int = 1024  # requests admitted at once; more get 429
     completion_default_max_tokens: int = 16  # OpenAI's default for /v1/completions
     grammar_compile_timeout: float = 10.0  # seconds; a slower schema or grammar gets a 400
+    allowed_origins: list[str] = field(default_factory=list)  # CORS; ["*"] allows any origin
+    tool_call_parser: str | None = None  # hermes | llama3_json | mistral; None: from the template
+    chat_template: str | None = None  # Jinja text replacing the model's own; None: the model's
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_in_flight", "completion_default_max_tokens"):
@@ -51,6 +57,9 @@ class ServerSettings:
             raise ValueError("ServerSettings.api_key must not be empty")
         if self.corpus_dir is not None and not Path(self.corpus_dir).is_dir():
             raise ValueError(f"ServerSettings.corpus_dir={self.corpus_dir!r} is not a directory")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"ServerSettings.tool_call_parser={self.tool_call_parser!r} is not "
+                             f"one of {', '.join(TOOL_CALL_PARSERS)}")
 
     @property
     def corpus_root(self) -> Path | None:
@@ -82,17 +91,32 @@ class Encoder:
         self.tokenizer = tokenizer
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="encoder")
 
-    async def encode(self, text: str) -> list[int]:
-        return await self._run(self.tokenizer.encode, text, add_special_tokens=False)
+    async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return await self._run(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
     async def chat(self, messages: list[dict[str, Any]],
-                   tools: list[dict[str, Any]] | None = None) -> list[int]:
+                   tools: list[dict[str, Any]] | None = None,
+                   template_kwargs: dict[str, Any] | None = None,
+                   add_generation_prompt: bool = True,
+                   add_special_tokens: bool = False) -> list[int]:
         """The prompt LLM.apply_chat_template builds, so outputs match LLM.chat; `tools` only
-        for a template that renders them (see tool_calls.render_messages)."""
-        extra = {"tools": tools} if tools else {}
+        for a template that renders them (see tool_calls.render_messages); `template_kwargs`
+        are extra variables for the template (vLLM's `chat_template_kwargs`).
+        `add_special_tokens` (vLLM's /tokenize): the rendered text is encoded with the
+        tokenizer's own special tokens (a BOS, for some), which the template may already hold."""
+        extra = dict(template_kwargs or {}) | ({"tools": tools} if tools else {})
+        if add_special_tokens:
+            text = await self._run(self.tokenizer.apply_chat_template, messages,
+                                   add_generation_prompt=add_generation_prompt, tokenize=False,
+                                   **extra)
+            return await self.encode(text, add_special_tokens=True)
         ids = await self._run(self.tokenizer.apply_chat_template, messages,
-                              add_generation_prompt=True, tokenize=True, **extra)
+                              add_generation_prompt=add_generation_prompt, tokenize=True, **extra)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    async def decode(self, ids: list[int]) -> str:
+        """Special tokens kept (vLLM's /detokenize): the text encodes back to `ids`."""
+        return await self._run(self.tokenizer.decode, ids, skip_special_tokens=False)
 
     async def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
@@ -121,9 +145,13 @@ def build_state(config: EngineConfig, settings: ServerSettings) -> ServerState:
             restore_learned(engine, Path(settings.corpus_state))
         return engine
 
-    metrics = ServerMetrics(max_acceptance_length=config.drafter.draft_token_num)
+    metrics = ServerMetrics(max_acceptance_length=config.drafter.draft_token_num,
+                            model_name=served_model_name(config, settings),
+                            max_model_len=config.max_model_len)
     bridge = AsyncEngine.build(make_engine, metrics.on_step)
     engine = bridge.engine  # read-only here: its thread waits for start()
+    if settings.chat_template is not None:  # before the copies below, so every thread sees it
+        engine.tokenizer.chat_template = settings.chat_template
     # One tokenizer per thread that uses one (copies are cheap, loading is not).
     corpus_tokenizer = copy.deepcopy(engine.tokenizer)
     for path in settings.corpus_files:

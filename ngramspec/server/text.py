@@ -4,7 +4,9 @@ Text is decoded incrementally over a window (linear in the output length), held 
 ends in a partial UTF-8 character, and held back by (longest stop string - 1) characters, since a
 stop string split across tokens is cut from the final text and must never have been streamed.
 The final text is one full decode cut where the engine found the stop string, exactly what
-`ngramspec.outputs.output_text` returns offline.
+`ngramspec.outputs.output_text` returns offline. With include_stop_str_in_output the cut is after
+the stop string, which the engine found complete in the last token's text, so nothing is held
+back for it.
 """
 
 from __future__ import annotations
@@ -13,10 +15,14 @@ from typing import Any
 
 
 class TextAssembler:
-    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
+    def __init__(self, tokenizer: Any, stop: list[str], skip_special_tokens: bool = True,
+                 include_stop: bool = False) -> None:
+        """`include_stop` (include_stop_str_in_output): the stop string stays in the text, so
+        nothing needs holding back for it."""
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
-        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.holdback = 0 if include_stop else max((len(s) for s in stop), default=1) - 1
         self._text = ""  # decoded so far (may run ahead of what was sent)
         self._sent = 0  # characters sent
         self._prefix = 0  # decode window: token_ids[_prefix:_read] is already in _text
@@ -59,4 +65,6 @@ class TextAssembler:
         return delta
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if token_ids else ""
+        if not token_ids:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)

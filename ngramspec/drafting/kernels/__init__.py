@@ -4,14 +4,11 @@ drafting/index/ owns the arrays and drafting/drafter.py composes the kernels; th
 references in tests/oracles/ give identical results (the lockstep property tests).
 
 Inlining: a call between numba functions passes every array argument as its ~10-word struct,
-and the build and commit helpers take up to 20 arrays, so the calls cost more than the work (the
-build of a 12-node tree made 12 `_push_children` calls, each ~20 arrays). The hot path is
-therefore `inline="always"` down to its leaves, into few compiled roots: `step.build_block` (the
-trees) and `step.propose` with its threaded twin (the commits, then `build_block` per block of
-the batch). At 64 requests in flight this took a request-step from 13.5 to 8.5 µs (`ngramspec
-bench corpus`); the first compile of the drafter took about twice as long (~40 s -> ~75 s on 2
-cores then; 3.5-5 minutes on the 2-core EPYC on 2026-12-06; cached on disk afterwards). Rarely
-run code (eviction, rehashing) stays a call.
+and the build and commit helpers take up to 20 arrays, so the calls cost more than the work. The
+hot path is therefore `inline="always"` down to its leaves, into few compiled roots:
+`step.build_block` (the trees) and `step.propose` with its threaded twin (the commits, then
+`build_block` per block of the batch). The price is a long first compile (minutes; cached on
+disk afterwards). Rarely run code (eviction, rehashing) stays a call.
 """
 
 from __future__ import annotations
@@ -68,6 +65,15 @@ def _drop_if_stale(cache: Path, stamp_text: str) -> None:
         stamp.write_text(stamp_text)
     except OSError:
         pass  # read-only: numba then cannot cache here either
+
+
+def compiled_on_disk(kernel: str = "step.propose", package_dir: Path = Path(__file__).parent) -> bool:
+    """Whether numba's disk cache holds `kernel` (module.function), i.e. loading it will not
+    compile; the build progress is shown only when it will."""
+    from numba.core import config
+
+    return any(any(cache.glob(f"{kernel}-*.nbc"))
+               for cache in _cache_dirs(package_dir, config.CACHE_DIR))
 
 
 drop_stale_kernel_cache()

@@ -349,16 +349,12 @@ def _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cu
     candidates of earlier cursors of this expansion count, at their estimates then): it could
     never be placed through this cursor either, and its later continuations rank lower still,
     so the cursor stops there. A token another cursor also offers can still be placed; it then
-    lacks this cursor's evidence and continuations. Replays, without the threshold -> with it:
-    data/streams, 2.651 -> 2.652 mean accepted and 28.3 -> 20.0 continuations offered per
-    step; code edits and Spec-Bench with the standard-library corpus, 2.702 -> 2.707 and
-    42.8 -> 25.6 (16.1 -> 6.9 of them the corpus's).
+    lacks this cursor's evidence and continuations. The threshold cuts the continuations offered
+    without changing what is accepted.
 
     A corpus cursor continues only under the root and under nodes the corpus won (`node_src`,
     -1 for the root): under a node the request or the trie won, its continuations took slots
-    from better candidates more often than they were accepted. Replays of data/streams with the
-    standard-library corpus: 2.611 -> 2.618 mean accepted (code edits 6.44 -> 6.47), 34 -> 30
-    candidates and 48 -> 42 cursors a tree at 64 in flight."""
+    from better candidates more often than they were accepted."""
     limit = min(params[P_LIMIT], room)
     corpus_limit = limit if node_src < 0 or node_src == CORPUS else 0
     first_cand = counts[N_CAND]
@@ -370,8 +366,8 @@ def _push_children(cols, tok, n_tok, factor, gain, calibrate, params, bank, s_cu
         if src == TRIE:
             node = s_cur[C_A, c]
             total = cols[node, tk.CNT] if node != tk.ROOT else _root_total(cols, params)
-            # Under the trie fallback's first token, its most frequent follower only: replays of
-            # data/streams accept the same as with all `breadth` (2.651), 2 or 3 a little less.
+            # Under the trie fallback's first token, its most frequent follower only: more
+            # followers are accepted no more often and take room from better candidates.
             breadth = limit if not wild or node == tk.ROOT else 1
             cls = _class(src, total, wild)
             f = _factor(factor, calibrate, cls, length)

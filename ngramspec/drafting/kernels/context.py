@@ -8,8 +8,8 @@ earlier occurrences of each suffix newest first, which is what the reference's `
 (oldest first).
 A table entry is one 16-byte record, uint64 [key, value]: key = hash << 7 | length (0: empty),
 value = occurrences << 32 | latest end. Every appended token probes up to max_match windows at
-random places of a table that outgrows the cache, so one record per probe (one cache line) instead
-of three parallel arrays is what a probe costs: measured ~30% of a whole request-step before.
+random places of a table that outgrows the cache, so a probe costs its cache misses: one record
+(one cache line) a probe rather than three parallel arrays.
 `st` (int64): number of tokens, number of live hashes, table entries, then the occurrence count
 of each suffix (so anchors need not walk chains to count).
 """

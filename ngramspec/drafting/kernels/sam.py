@@ -106,9 +106,8 @@ def anchor_state(states, root, state) -> int:
 # Feeding a match its new tokens (SuffixAutomaton.advance per token; a match marked -1 starts over
 # from the request's last `cap` tokens, which gives match_state's result) follows one chain of
 # dependent reads per token (a state's row, the binary search of its edges, the target's row;
-# suffix links on a mismatch), and in a corpus of millions of states nearly each is a cache miss:
-# replays at 64 in flight spent ~1,800 cycles a tree there (rdtsc), ~0.7 µs of a ~6 µs
-# request-step. The walks of different requests are independent, so `step_lane` splits one walk
+# suffix links on a mismatch), and in a corpus of millions of states nearly each is a cache miss,
+# a large share of a request-step at many in flight. The walks of different requests are independent, so `step_lane` splits one walk
 # at every read that would miss: it issues a prefetch for that read and returns, and the caller
 # (kernels/step.py `_catch_up_batch`, before the builds, which read the matches) moves on to the
 # other requests' walks before coming back. Each walk makes advance's reads in advance's order,

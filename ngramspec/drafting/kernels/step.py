@@ -1,24 +1,20 @@
 """One numba call per engine step: every queued commit, then every requested tree.
 
-A request-step's real work is a few µs, and one numba call per request and per commit cost ~5 µs
-more (argument unboxing, views, Python glue: measured by calling the kernels with nothing to do).
-So the drafter queues its commits and runs them at the next propose, in the order they came,
+A request-step's real work is a few µs, less than the fixed cost of one numba call per request
+and per commit (argument unboxing, views, Python glue). So the drafter queues its commits and runs them at the next propose, in the order they came,
 followed by every tree of the batch, in one call (kernels/__init__.py: what is inlined into it).
 
 The kernel finds each request's arrays through `RequestTable`: per slot, the address and length
 of each array (field columns `F_*`). The table holds a reference to every array whose address it
 stores, so an address never outlives its array; `set` is the only way in or out. (A numba typed
-list of arrays was the alternative: unboxing one costs ~1.3 µs and reading an item ~45 ns, one
-list per field per step and one item per field and request; reading an address here costs ~1 ns.)
+list of arrays per field would cost far more to unbox and read each step than an address.)
 
 The arrays every step reads besides the requests' own (trie, calibration, scratch, corpus bank,
 the RequestTable's own two) reach the kernel the same way, as one `Globals` table of addresses and
-shapes: numba's dispatch costs ~0.1 µs an array argument, and 24 arguments took 2.9 µs of a
-17 µs request-step with one request in flight.
+shapes: numba's dispatch costs ~0.1 µs an array argument, a large share of a request-step.
 
-The queue and the batch travel as ONE array.array of int64 (made from the drafter's list it costs
-~0.25 µs, a numpy array ~0.45 µs, of a ~8 µs request-step with one request in flight; numba reads
-it through the buffer protocol): first the queued operations, each (slot, new tokens, trie start)
+The queue and the batch travel as ONE array.array of int64 (one conversion of the drafter's list,
+cheaper than a numpy array; numba reads it through the buffer protocol): first the queued operations, each (slot, new tokens, trie start)
 followed by its new tokens: append them to the request's context, learning first from its pending
 tree, then count the n-grams ending at the positions from trie start (-1: the first new token) in
 the trie; a request's start queues (slot, 0, where its prompt begins). Then the batch: (slot,
@@ -186,9 +182,8 @@ def _g3(g, row, dtype):
 @njit(cache=True, inline="always")
 def _raw(a):
     """`a` without its reference count: numba's atomic incref/decref on every array handed to a
-    callee or sliced cost more than the work (perf: ~16% of a replay's samples, more than a
-    third of the kernels' own); an array from a bare address has no meminfo, so those become a
-    null test. The caller's Python frame holds `a` for the whole call; never pass an array made
+    callee or sliced cost more than the work; an array from a bare address has no meminfo, so
+    those become a null test. The caller's Python frame holds `a` for the whole call; never pass an array made
     inside a kernel: numba frees it after its last use, which is this call."""
     if not a.flags.c_contiguous:
         raise ValueError("drafter kernels take C-contiguous arrays only")
@@ -343,10 +338,7 @@ def _catch_up_batch(batch, g) -> None:
     read them (a request without a tree is fed at its next), the walks interleaved so that their
     cache misses overlap (kernels/sam.py `step_lane`), at most Scratch.lanes at once (preallocated:
     an array made here and passed through `_raw` is freed at once, `_raw` says why). Then the
-    first edges the builds' root corpus cursors read are prefetched (`_prefetch_root_edges`).
-    Neither prefetching the states the builds' suffix-link climbs read (alternating, 64 in
-    flight) nor feeding each commit's walk in the queue, between the counts of its n-grams
-    (alternating, 1 and 64 in flight, with the standard-library corpus), measured faster."""
+    first edges the builds' root corpus cursors read are prefetched (`_prefetch_root_edges`)."""
     roots = _g1(g, G_ROOTS, np.int64)
     num, corpora = batch.shape[0] // 2, roots.shape[0]
     if corpora == 0:
@@ -373,8 +365,7 @@ def _catch_up_batch(batch, g) -> None:
 def _prefetch_root_edges(match, states, corpus_edges, roots, anchors) -> None:
     """The first edges of the states a build's root corpus cursors will start from (the same
     `sam.anchor_state` climb as build.py `_root_cursors`): their reads overlap the context and
-    trie work that comes first. A hint; 1 in flight with the standard-library corpus,
-    alternating step by step: ~0.1 µs less a request-step."""
+    trie work that comes first. A hint: it changes no result."""
     for k in range(roots.shape[0]):
         state = match[k, sk.M_STATE]
         for _ in range(anchors):
@@ -431,8 +422,8 @@ def propose_parallel(io, queued, out, out_p, g, min_path_prob) -> int:
 def direct(kernel, *args):
     """`kernel`'s compiled code for the types of `args` (compiled or loaded from the cache now),
     as a callable that skips numba's dispatch: the dispatcher types every argument on every
-    call, ~0.25 µs of a ~9 µs request-step with one request in flight. The callable checks
-    only each array's item size, not its dtype, dimensions or layout: call it only with
-    arrays made for it the same way as `args` (a C-contiguous array of another dtype of the
-    same size would be read as the compiled one)."""
+    call, ~0.25 µs, a few percent of a request-step. The callable checks only each array's
+    item size, not its dtype, dimensions or layout: call it only with arrays made for it the
+    same way as `args` (a C-contiguous array of another dtype of the same size would be read as
+    the compiled one)."""
     return kernel.compile(tuple(numba.typeof(a) for a in args))

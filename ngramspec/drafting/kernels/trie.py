@@ -1,4 +1,5 @@
-"""numba kernels of the fast global trie (see fast/trie.py for the layout and the semantics).
+"""numba kernels of the global trie (drafting/index/trie.py owns the arrays; the semantics
+are tests/oracles/trie.py's).
 
 Node records (`cols`, int32 [allocated, NUM_COLS]; one 36-byte row per node, so a node is one
 cache line):
@@ -8,7 +9,7 @@ cache line):
   LPREV, LNEXT          the leaf LRU list (front = least recently touched); until the trie
                         first fills, a leaf's last-touch stamp instead (high, low 31 bits)
   VER                   bumped when the id is evicted, so request anchors can tell staleness
-Two id-only hash tables (fast/hashtab.py): `edges` keyed (PAR, TOK) holding every node that has
+Two id-only hash tables (kernels/hashtab.py): `edges` keyed (PAR, TOK) holding every node that has
 a sibling (an only child is found through its parent's FIRST, so chains, most of a deep trie,
 cost no hashing), and `runs` keyed (PAR, CNT),
 the latter holding the first child of each run of two or more equal-count siblings. The run head

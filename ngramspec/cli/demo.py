@@ -1,5 +1,5 @@
 """`ngramspec demo`: answer a few bundled prompts on the default model, streaming, then compare
-the speed with and without n-gram speculation."""
+the speed with and without n-gram speculation. Needs nothing beyond `pip install ngramspec`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import io
 import sys
 from typing import Any
 
+from ngramspec.cli.engine_args import add_engine_args, engine_kwargs_from_args
+
 _SUMMARY_TEXT = (
     "The Great Barrier Reef is the world's largest coral reef system, composed of over 2,900 "
     "individual reefs and 900 islands stretching for over 2,300 kilometres over an area of "
@@ -17,6 +19,8 @@ _SUMMARY_TEXT = (
     "world's biggest single structure made by living organisms. This reef structure is composed "
     "of and built by billions of tiny organisms, known as coral polyps."
 )
+COLUMNS = ("prompt", "tokens", "plain decode tok/s", "spec decode tok/s", "speedup",
+           "accepted/step", "same output")
 
 
 def demo_prompts() -> list[tuple[str, str]]:
@@ -32,34 +36,26 @@ def demo_prompts() -> list[tuple[str, str]]:
 
 
 def register(sub: Any) -> None:
-    from ngramspec.cli_options import add_engine_args
-
-    p = sub.add_parser("demo", help="stream a few answers, then compare speed with/without speculation")
+    p = sub.add_parser("demo", help="stream a few answers, then compare speed with/without "
+                                    "speculation", description=__doc__)
     p.add_argument("--max-tokens", type=int, default=300)
     add_engine_args(p)
-    p.set_defaults(func=run_demo)
+    p.set_defaults(func=run)
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from ngramspec.cli_options import engine_kwargs_from_args
+def run(args: argparse.Namespace) -> int:
     from ngramspec.llm import LLM
     from ngramspec.sampling_params import SamplingParams
     from ngramspec.stream import TextStreamer
 
     kwargs = engine_kwargs_from_args(args)
     kwargs["speculative"] = "ngram"
-    console = Console(stderr=True)
-    console.print("[bold]loading the model…[/bold]")
+    print("loading the model…", file=sys.stderr)
     llm = LLM(**kwargs)
-    table = Table(title="speed: plain decoding vs n-gram speculation (greedy, same engine)")
-    for col in ("prompt", "tokens", "plain decode tok/s", "spec decode tok/s", "speedup", "accepted/step", "same output"):
-        table.add_column(col, justify="right" if col != "prompt" else "left")
+    rows = []
     for name, prompt in demo_prompts():
         ids = llm.apply_chat_template([{"role": "user", "content": prompt}])
-        console.rule(f"[bold]{name}")
+        print(f"\n──── {name} " + "─" * max(0, 60 - len(name)))
         print(prompt[:200] + ("…" if len(prompt) > 200 else ""), end="\n\n")
         # Speculation runs first: the n-gram trie learns every answer, so a second run of the same
         # prompt would copy the first. Both stream (plain into a buffer) and both are timed after
@@ -72,8 +68,20 @@ def run_demo(args: argparse.Namespace) -> int:
         plain = llm.generate(ids, plain_params,
                              on_tokens=TextStreamer(llm.tokenizer, io.StringIO()).on_tokens)[0]
         plain_rate, spec_rate = plain.metrics.decode_tok_s, spec.metrics.decode_tok_s
-        table.add_row(name, str(len(spec.token_ids)), f"{plain_rate:.1f}", f"{spec_rate:.1f}",
-                      f"{spec_rate / plain_rate:.2f}x", f"{spec.metrics.mean_acceptance_length:.2f}",
-                      "yes" if plain.token_ids == spec.token_ids else "NO")
-    Console().print(table)
+        rows.append([name, str(len(spec.token_ids)), f"{plain_rate:.1f}", f"{spec_rate:.1f}",
+                     f"{spec_rate / plain_rate:.2f}x", f"{spec.metrics.mean_acceptance_length:.2f}",
+                     "yes" if plain.token_ids == spec.token_ids else "NO"])
+    print("\nspeed: plain decoding vs n-gram speculation (greedy, same engine)")
+    print(format_table(COLUMNS, rows))
     return 0
+
+
+def format_table(columns: tuple[str, ...], rows: list[list[str]]) -> str:
+    """Plain aligned columns: the first left-aligned, the numbers right-aligned."""
+    widths = [max([len(c), *(len(r[i]) for r in rows)]) for i, c in enumerate(columns)]
+
+    def line(cells: Any) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths)))
+
+    return "\n".join([line(columns), line("-" * w for w in widths), *map(line, rows)])
