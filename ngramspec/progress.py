@@ -55,18 +55,20 @@ def _fmt(seconds: float) -> str:
 
 
 @contextlib.contextmanager
-def build_progress(what: str, key: str, default_s: float, enabled: bool = True) -> Iterator[None]:
+def build_progress(what: str, key: str, default_s: float, enabled: bool = True,
+                   cached_in: str | Path | None = None) -> Iterator[None]:
     """Announce a build of `what` on stderr, tick while it runs, record its time under `key`.
 
     The estimate is wall time on this machine, so it includes whatever else the machine was
-    doing during the last build; it is a guide, not a promise.
+    doing during the last build; it is a guide, not a promise. `cached_in` names where the
+    result is kept (default: `cache_root()`).
     """
     if not enabled:
         yield
         return
     estimate = expected_seconds(key, default_s)
     print(f"ngramspec: building {what} for this machine, once (about {_fmt(estimate)}; "
-          f"cached in {cache_root()})", file=sys.stderr, flush=True)
+          f"cached in {cached_in or cache_root()})", file=sys.stderr, flush=True)
     start = time.monotonic()
     stop = threading.Event()
     ticker = None

@@ -39,13 +39,13 @@ from ngramspec.drafting.index.context import ContextIndex
 from ngramspec.drafting.index.sam import SuffixAutomaton
 from ngramspec.drafting.index.trie import NgramTrie, TrieState
 from ngramspec.drafting.kernels import build as bk
-from ngramspec.drafting.kernels import compiled_on_disk, step
+from ngramspec.drafting.kernels import cache_location, compiled_on_disk, step
 from ngramspec.drafting.kernels.sam import CorpusBank
 from ngramspec.drafting.sources import NUM_SOURCES, SOURCE_NAMES
 from ngramspec.drafting.tree import DraftBatch
 from ngramspec.progress import build_progress
 
-_BUILD_DEFAULT_S = 240.0  # the progress estimate before this machine has compiled the drafter
+_BUILD_DEFAULT_S = 180.0  # the progress estimate before this machine has compiled a kernel
 
 
 @dataclass(slots=True)
@@ -468,8 +468,9 @@ def _int32s(tokens: list) -> bool:
 @functools.cache
 def warm_up_parallel() -> None:
     """Load (or compile, with progress) the threaded build kernel."""
-    with build_progress("the drafter's threaded kernel", "drafter-threads", 30.0,
-                        enabled=not compiled_on_disk("step.propose_parallel")):
+    with build_progress("the drafter's threaded kernel", "drafter-threads", _BUILD_DEFAULT_S,
+                        enabled=not compiled_on_disk("step.propose_parallel"),
+                        cached_in=cache_location()):
         _warm_up_parallel()
 
 
@@ -487,7 +488,7 @@ def warm_up() -> None:
     """Load (or compile, with progress on stderr) every kernel once per process, outside any
     timed step."""
     with build_progress("the drafter's kernels", "drafter", _BUILD_DEFAULT_S,
-                        enabled=not compiled_on_disk()):
+                        enabled=not compiled_on_disk(), cached_in=cache_location()):
         _warm_up()
 
 

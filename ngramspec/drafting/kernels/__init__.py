@@ -67,6 +67,13 @@ def _drop_if_stale(cache: Path, stamp_text: str) -> None:
         pass  # read-only: numba then cannot cache here either
 
 
+def cache_location(package_dir: Path = Path(__file__).parent) -> Path:
+    """Where numba keeps these kernels' machine code (the last place it looks first)."""
+    from numba.core import config
+
+    return _cache_dirs(package_dir, config.CACHE_DIR)[-1]
+
+
 def compiled_on_disk(kernel: str = "step.propose", package_dir: Path = Path(__file__).parent) -> bool:
     """Whether numba's disk cache holds `kernel` (module.function), i.e. loading it will not
     compile; the build progress is shown only when it will."""
