@@ -181,8 +181,7 @@ def test_route_specific_unsupported_fields() -> None:
     for make, name, asks, nothing in (
             (_chat, "echo", True, False), (_chat, "best_of", 2, 1),
             (_chat, "documents", [{"title": "t", "text": "x"}], None),
-            (_chat, "chat_template", "{{ messages }}", None),
-            (_completion, "add_special_tokens", True, False)):
+            (_chat, "chat_template", "{{ messages }}", None)):
         with pytest.raises(ApiError) as e:
             make(**{name: asks})
         assert (e.value.param, e.value.code) == (name, "unsupported_parameter")
@@ -191,6 +190,28 @@ def test_route_specific_unsupported_fields() -> None:
     with pytest.raises(ApiError) as e:
         _completion(stream=True, stream_options={"continuous_usage_stats": True})
     assert e.value.param == "stream_options.continuous_usage_stats"
+
+
+def test_completions_add_special_tokens_reaches_the_encoder() -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from ngramspec.server.completions import _completion_prompt
+
+    seen = []
+
+    class Encoder:
+        async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            seen.append(add_special_tokens)
+            return [1, 2] if add_special_tokens else [2]
+
+    state = SimpleNamespace(encoder=Encoder(), vocab_size=10)
+    assert _completion().add_special_tokens is False  # LLM.generate's encoding by default
+    for asked in (False, True):
+        special = _completion(add_special_tokens=asked).add_special_tokens
+        ids = asyncio.run(_completion_prompt(state, "hi", special=special))
+        assert ids == ([1, 2] if asked else [2])
+    assert seen == [False, True]
 
 
 @pytest.mark.parametrize("make", [_completion, _chat])
@@ -796,6 +817,9 @@ def test_vllm_spec_decode_counters_follow_the_verify_steps() -> None:
     from ngramspec.server.metrics import ServerMetrics
 
     metrics = ServerMetrics(max_acceptance_length=8, model_name="tiny")
+    fresh = _samples(metrics.render(EngineSnapshot(10, 10, 0, 0, 0, 0), 0).decode())
+    assert [fresh[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",'
+                  f'position="{i}"}}'] for i in range(7)] == [0.0] * 7  # every series from start
     engine = SimpleNamespace(stats=EngineStats(), scheduler=SimpleNamespace(
         cache=None, max_num_seqs=8, running=[], waiting=[]))
     seqs = [Sequence(i, f"r{i}", [1, 2], 2, SamplingParams(), ()) for i in range(2)]

@@ -95,7 +95,8 @@ async def create_completion(request: Request) -> Response:
     if len(items) > state.settings.max_in_flight:
         raise bad_request(f"at most {state.settings.max_in_flight} prompts per request (got "
                           f"{len(items)})", "prompt")
-    prompts = [await _completion_prompt(state, item, i if len(items) > 1 else None)
+    prompts = [await _completion_prompt(state, item, i if len(items) > 1 else None,
+                                        req.add_special_tokens)
                for i, item in enumerate(items)]
     return await _respond(request, state, req, prompts, "completion", arrival,
                           state.settings.completion_default_max_tokens)
@@ -108,19 +109,8 @@ async def create_chat_completion(request: Request) -> Response:
     req = validate(ChatCompletionRequest, parse_json(await request.body()))
     check_model(state, req.model)
     mode = req.tool_mode
-    tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if mode != "none" else None
-    template = getattr(state.tokenizer, "chat_template", None)
-    knows_tools = template_knows_tools(template)
-    fmt = select_format(state.settings.tool_call_parser, template)
-    messages = render_messages([m.as_template_message() for m in req.messages], tools,
-                               knows_tools, fmt)
+    prompt_ids, fmt, tools = await chat_prompt(state, req)
     setup = chat_tools(fmt, tools, state.tokenizer) if tools else None
-    options = req.template_options()
-    try:
-        prompt_ids = await state.encoder.chat(messages, tools if knows_tools else None,
-                                              **options)
-    except Exception as e:  # the chat template rejects the conversation (e.g. role order)
-        raise bad_request(f"messages: the chat template failed: {e}", "messages") from e
     structured = req.structured()
     if mode in ("required", "named"):
         if structured is not None:
@@ -132,6 +122,25 @@ async def create_chat_completion(request: Request) -> Response:
             grammar=setup.grammar(tools, name, req.parallel_tool_calls))
     return await _respond(request, state, req, [prompt_ids], "chat", arrival, None, structured,
                           mode, setup)
+
+
+async def chat_prompt(state: ServerState, req: ChatCompletionRequest
+                      ) -> tuple[list[int], str, list[dict[str, Any]] | None]:
+    """A chat request's prompt ids, its tool-call format, and its tools (None when unused); the
+    one rendering both /v1/chat/completions and /tokenize use, so their ids agree."""
+    tools = ([t.model_dump(exclude_none=True) for t in req.tools or []]
+             if req.tool_mode != "none" else None)
+    template = getattr(state.tokenizer, "chat_template", None)
+    knows_tools = template_knows_tools(template)
+    fmt = select_format(state.settings.tool_call_parser, template)
+    messages = render_messages([m.as_template_message() for m in req.messages], tools,
+                               knows_tools, fmt)
+    try:
+        ids = await state.encoder.chat(messages, tools if knows_tools else None,
+                                       **req.template_options())
+    except Exception as e:  # the chat template rejects the conversation (e.g. role order)
+        raise bad_request(f"messages: the chat template failed: {e}", "messages") from e
+    return ids, fmt, tools
 
 
 def served_names(state: ServerState) -> list[str]:
@@ -155,10 +164,12 @@ def prompt_items(prompt: str | list[int] | list[str] | list[list[int]]) -> list[
 
 
 async def _completion_prompt(state: ServerState, prompt: str | list[int],
-                             index: int | None = None) -> list[int]:
-    """`index`: the prompt's place in a list of several (named in errors)."""
+                             index: int | None = None, special: bool = False) -> list[int]:
+    """`index`: the prompt's place in a list of several (named in errors); `special`: the
+    tokenizer's BOS etc. added to a text prompt (vLLM's `add_special_tokens`)."""
     which = "the prompt" if index is None else f"prompt {index}"
-    ids = await state.encoder.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    ids = (await state.encoder.encode(prompt, add_special_tokens=special)
+           if isinstance(prompt, str) else list(prompt))
     if not ids:
         raise bad_request(f"{which} is empty", "prompt")
     if any(not 0 <= t < state.vocab_size for t in ids):

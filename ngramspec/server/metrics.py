@@ -84,7 +84,8 @@ class ServerMetrics:
         self.waiting = Gauge(p + "num_requests_waiting", "Requests queued", registry=r)
         self.corpus_tokens = Gauge(p + "external_corpus_tokens", "Tokens in external corpora",
                                    registry=r)
-        self.vllm = VllmMetrics(r, model_name, max_model_len)
+        # a tree of max_acceptance_length nodes has at most that many - 1 draft positions
+        self.vllm = VllmMetrics(r, model_name, max_model_len, max(max_acceptance_length - 1, 0))
         self._last_times = (0.0, 0.0)
         self._last_spec = (0, 0)
         self._last_failures = 0
@@ -187,7 +188,8 @@ class ServerMetrics:
 class VllmMetrics:
     """vLLM's metric names and meanings, labelled with the served model's name."""
 
-    def __init__(self, r: CollectorRegistry, model_name: str, max_model_len: int) -> None:
+    def __init__(self, r: CollectorRegistry, model_name: str, max_model_len: int,
+                 num_positions: int = 0) -> None:
         v, label = VLLM, ["model_name"]
         self.model_name = model_name
 
@@ -229,7 +231,10 @@ class VllmMetrics:
         self.accepted_per_pos = Counter(v + "spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted tokens per draft position",
                                         ["model_name", "position"], registry=r)
-        self._per_pos: list[Counter] = []  # children by position, made as depths are reached
+        # Every position's series exists from the start (at 0), as vLLM's dashboards expect;
+        # a deeper path than announced (a changed drafter config) still adds its positions.
+        self._per_pos: list[Counter] = [self.accepted_per_pos.labels(model_name, str(i))
+                                        for i in range(num_positions)]
 
     def observe_draft(self, num_draft_tokens: int, num_accepted: int) -> None:
         """One verify step of one request: `num_accepted` drafts of its tree's accepted path

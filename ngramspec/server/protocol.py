@@ -10,9 +10,9 @@ explicit None; types stay strict otherwise ("0.5" is not a number).
 
 vLLM's sampling extensions are honoured on both routes, with vLLM's meaning: `top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `logit_bias` (OpenAI's too),
-`allowed_token_ids`, `bad_words`, `include_stop_str_in_output`, `skip_special_tokens`; and on
-chat `chat_template_kwargs`, `add_generation_prompt`, `continue_final_message` and
-`add_special_tokens`.
+`allowed_token_ids`, `bad_words`, `include_stop_str_in_output`, `skip_special_tokens`,
+`add_special_tokens` (off by default, as LLM.generate encodes); and on chat
+`chat_template_kwargs`, `add_generation_prompt` and `continue_final_message`.
 
 Structured outputs come as OpenAI's `response_format` or vLLM's extra-body fields
 (`structured_outputs: {json|regex|choice|grammar|json_object}`, and the older `guided_json`,
@@ -226,6 +226,9 @@ class CompletionRequest(_GenerationRequest):
     echo: bool = False  # the prompt is returned before the completion (with its logprobs)
     # best_of candidates are generated; the n with the highest log-probability are returned
     best_of: int | None = Field(None, ge=1, le=MAX_N)
+    # The tokenizer's BOS etc. on a text prompt. Off by default, as LLM.generate encodes; vLLM's
+    # default is on, so a client that relies on it says so.
+    add_special_tokens: bool = False
 
     @property
     def num_candidates(self) -> int:
@@ -436,10 +439,7 @@ UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
     "documents": _nothing,
     "chat_template": lambda v: v is None,  # the client's Jinja: not run on this server
 }
-UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {
-    # prompts are encoded without special tokens (as LLM.generate does); vLLM's default adds them
-    "add_special_tokens": lambda v: v is None or v is False,
-}
+UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {}
 
 
 def check_unsupported(body: dict[str, Any],

@@ -5,8 +5,8 @@
     /detokenize  {"tokens": [...]} -> {"prompt": "..."}
 
 The chat form takes the chat request's template fields (tools, chat_template_kwargs,
-add_generation_prompt, continue_final_message, add_special_tokens) and renders the messages as
-/v1/chat/completions does, so its ids are that request's prompt. Both go through the encoder
+add_generation_prompt, continue_final_message, add_special_tokens) and renders the messages with
+/v1/chat/completions' own `chat_prompt`, so its ids are that request's prompt. Both go through the encoder
 thread: a long text takes a while either way.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from ngramspec.server.completions import check_model
+from ngramspec.server.completions import chat_prompt, check_model
 from ngramspec.server.protocol import (
     ChatCompletionRequest,
     _Strict,
@@ -25,7 +25,6 @@ from ngramspec.server.protocol import (
     validate,
 )
 from ngramspec.server.state import ServerState
-from ngramspec.server.tool_calls import render_messages, select_format, template_knows_tools
 
 router = APIRouter()
 
@@ -58,7 +57,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
             raise bad_request("send either prompt or messages, not both", "prompt")
         chat = validate(TokenizeChatRequest, body)
         _check_model(state, chat.model)
-        ids = await chat_ids(state, chat)
+        ids, _, _ = await chat_prompt(state, chat)
         strs = chat.return_token_strs
     else:
         req = validate(TokenizeCompletionRequest, body)
@@ -77,23 +76,6 @@ async def detokenize(request: Request) -> dict[str, Any]:
     if any(not 0 <= t < state.vocab_size for t in req.tokens):
         raise bad_request(f"token ids must be in [0, {state.vocab_size})", "tokens")
     return {"prompt": await state.encoder.decode(req.tokens)}
-
-
-async def chat_ids(state: ServerState, req: ChatCompletionRequest) -> list[int]:
-    """The prompt ids /v1/chat/completions builds for this request (create_chat_completion's
-    rendering: keep the two alike)."""
-    mode = req.tool_mode
-    tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if mode != "none" else None
-    template = getattr(state.tokenizer, "chat_template", None)
-    knows_tools = template_knows_tools(template)
-    fmt = select_format(state.settings.tool_call_parser, template)
-    messages = render_messages([m.as_template_message() for m in req.messages], tools,
-                               knows_tools, fmt)
-    options = req.template_options()
-    try:
-        return await state.encoder.chat(messages, tools if knows_tools else None, **options)
-    except Exception as e:  # the chat template rejects the conversation (e.g. role order)
-        raise bad_request(f"messages: the chat template failed: {e}", "messages") from e
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
