@@ -205,13 +205,7 @@ def test_samples_follow_the_biased_distribution() -> None:
     prompt, out = [3], [4, 4]
     probs = target_probs(torch.tensor(ref_process(logits.tolist(), p, prompt, out, [0])), p)
     assert probs[0] == 0 and probs[1] == 0 and probs[7] > 0.3
-    gen = torch.Generator().manual_seed(0)
-    n = 4000
-    counts = torch.bincount(torch.tensor([sample_token(logits, p, prompt, out, gen)
-                                          for _ in range(n)]), minlength=len(logits))
-    sigma = (probs * (1 - probs) / n).sqrt()
-    assert ((counts / n - probs).abs() <= 4 * sigma + 1e-9).all(), (counts / n, probs)
-    assert counts[probs == 0].sum() == 0
+    _assert_samples_follow(logits, p, prompt, out, probs)
 
 
 @settings(max_examples=200, deadline=None)
@@ -233,13 +227,7 @@ def test_samples_follow_the_processed_distribution() -> None:
                        presence_penalty=0.3)
     prompt, out = [0, 3], [1, 1]
     probs = target_probs(apply_penalties(logits, p, prompt, out), p)
-    gen = torch.Generator().manual_seed(0)
-    n = 4000
-    counts = torch.bincount(torch.tensor([sample_token(logits, p, prompt, out, gen)
-                                          for _ in range(n)]), minlength=len(logits))
-    sigma = (probs * (1 - probs) / n).sqrt()
-    assert ((counts / n - probs).abs() <= 4 * sigma + 1e-9).all(), (counts / n, probs)
-    assert counts[probs == 0].sum() == 0
+    _assert_samples_follow(logits, p, prompt, out, probs)
 
 
 row_values = st.one_of(st.floats(-4, 4, width=32), st.sampled_from(
@@ -422,3 +410,14 @@ def test_include_stop_str_and_special_tokens_in_text(llm, prompt_ids, greedy_alo
                                                skip_special_tokens=False))[0]
     assert kept.finish_reason == "stop"
     assert kept.text.endswith(llm.tokenizer.decode([kept.token_ids[-1]]))
+
+
+def _assert_samples_follow(logits: torch.Tensor, p: SamplingParams, prompt: list[int],
+                           out: list[int], probs: torch.Tensor, n: int = 4000) -> None:
+    """`n` seeded samples of sample_token match `probs` within 4 sigma; zeros never drawn."""
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.tensor([sample_token(logits, p, prompt, out, gen)
+                                          for _ in range(n)]), minlength=len(logits))
+    sigma = (probs * (1 - probs) / n).sqrt()
+    assert ((counts / n - probs).abs() <= 4 * sigma + 1e-9).all(), (counts / n, probs)
+    assert counts[probs == 0].sum() == 0

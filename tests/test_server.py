@@ -24,6 +24,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tool_cases import ADD, WEATHER
 
 from ngramspec import LLM, SamplingParams
 from ngramspec.corpus import ngc as persist
@@ -293,17 +294,6 @@ PERSON = {"type": "object", "additionalProperties": False,
           "properties": {"name": {"type": "string", "maxLength": 30},
                          "age": {"type": "integer", "minimum": 0, "maximum": 150}},
           "required": ["name", "age"]}
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city",
-    "parameters": {"type": "object", "additionalProperties": False,
-                   "properties": {"city": {"type": "string", "maxLength": 40},
-                                  "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"]}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "description": "Add two integers",
-    "parameters": {"type": "object", "additionalProperties": False,
-                   "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                   "required": ["a", "b"]}}}
 
 DEEP_SCHEMA: dict = {"type": "integer"}
 for _ in range(200):

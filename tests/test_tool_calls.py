@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from tool_cases import ADD, WEATHER
 
 from ngramspec.server.state import ServerSettings
 from ngramspec.server.text import TextAssembler
@@ -29,17 +30,6 @@ from ngramspec.server.tool_calls.mistral import TOOL_CALLS
 from ngramspec.structured.grammar import GrammarCompiler
 from ngramspec.structured.params import StructuredOutputsParams
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city",
-    "parameters": {"type": "object", "additionalProperties": False,
-                   "properties": {"city": {"type": "string", "maxLength": 40},
-                                  "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"]}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "description": "Add two integers",
-    "parameters": {"type": "object", "additionalProperties": False,
-                   "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                   "required": ["a", "b"]}}}
 TOOLS = [WEATHER, ADD]
 NAMES = {"get_weather", "add"}
 

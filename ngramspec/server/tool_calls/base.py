@@ -75,6 +75,25 @@ class ToolCallParser:
         return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False), self.new_id())
 
 
+class StateParser(ToolCallParser):
+    """A parser whose `_<state>(content, calls)` methods each make one move on `_buffer` and
+    return False when they need more text."""
+
+    def __init__(self, tool_names: set[str], state: str,
+                 new_id: Callable[[], str] = openai_call_id) -> None:
+        super().__init__(tool_names, new_id)
+        self._buffer = ""
+        self._state = state
+
+    def _push(self, text: str) -> tuple[str, list[ToolCall]]:
+        self._buffer += text
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        while getattr(self, f"_{self._state}")(content, calls):
+            pass
+        return "".join(content), calls
+
+
 class JsonSpan:
     """Where the JSON object or array that opens a buffer closes. Resumable: a long call arrives
     in many pieces and each look scans only the new text. Only brackets outside strings count;
@@ -108,6 +127,16 @@ class JsonSpan:
                     return i + 1
         self._pos = len(text)
         return None
+
+
+def cut_at(text: str, tag: str) -> tuple[str, str, bool]:
+    """(content, rest, found): with `tag` in `text`, what comes before and after its first
+    occurrence; without, all but a suffix that may start `tag` (held back in `rest`)."""
+    at = text.find(tag)
+    if at < 0:
+        keep = len(text) - partial_suffix(text, tag)
+        return text[:keep], text[keep:], False
+    return text[:at], text[at + len(tag):], True
 
 
 def partial_suffix(text: str, tag: str) -> int:

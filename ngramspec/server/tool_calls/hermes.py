@@ -11,8 +11,8 @@ from ngramspec.server.tool_calls.base import (
     ToolCallParser,
     ToolFormat,
     calls_json_schema,
+    cut_at,
     literal,
-    partial_suffix,
 )
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -67,14 +67,10 @@ class HermesParser(ToolCallParser):
                 calls += self._block(self._buffer[:end], content)
                 self._buffer, self._inside = self._buffer[end + len(CLOSE):], False
                 continue
-            start = self._buffer.find(OPEN)
-            if start < 0:
-                keep = partial_suffix(self._buffer, OPEN)
-                content.append(self._buffer[: len(self._buffer) - keep])
-                self._buffer = self._buffer[len(self._buffer) - keep:]
+            text, self._buffer, self._inside = cut_at(self._buffer, OPEN)
+            content.append(text)
+            if not self._inside:
                 break
-            content.append(self._buffer[:start])
-            self._buffer, self._inside = self._buffer[start + len(OPEN):], True
         return "".join(content), calls
 
     def _finish(self) -> tuple[str, list[ToolCall]]:

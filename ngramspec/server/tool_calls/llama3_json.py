@@ -10,11 +10,11 @@ from typing import Any
 
 from ngramspec.server.tool_calls.base import (
     JsonSpan,
+    StateParser,
     ToolCall,
-    ToolCallParser,
     ToolFormat,
     calls_json_schema,
-    partial_suffix,
+    cut_at,
 )
 
 PYTHON_TAG = "<|python_tag|>"
@@ -42,33 +42,19 @@ def grammar(tools: list[dict[str, Any]], name: str | None, parallel: bool,
             f"call: %json {calls_json_schema(tools, name, 'parameters')}\n")
 
 
-class Llama3JsonParser(ToolCallParser):
+class Llama3JsonParser(StateParser):
     """States: "start" (only whitespace so far), "content", "calls" (a call's `{` expected
     next), "after" (a call just closed: `;` and whitespace, then another call or content)."""
 
     def __init__(self, tool_names: set[str]) -> None:
-        super().__init__(tool_names)
-        self._buffer = ""
-        self._state = "start"
+        super().__init__(tool_names, "start")
         self._lead = ""  # consumed text (tag, whitespace) that is content unless a call follows
         self._span = JsonSpan()
-
-    def _push(self, text: str) -> tuple[str, list[ToolCall]]:
-        self._buffer += text
-        content: list[str] = []
-        calls: list[ToolCall] = []
-        while self._step(content, calls):
-            pass
-        return "".join(content), calls
 
     def _finish(self) -> tuple[str, list[ToolCall]]:
         rest = "" if self._state == "after" else self._lead + self._buffer  # separators go
         self._buffer, self._lead, self._state = "", "", "content"
         return rest, []
-
-    def _step(self, content: list[str], calls: list[ToolCall]) -> bool:
-        """One move; False when it needs more text."""
-        return getattr(self, f"_{self._state}")(content, calls)
 
     def _start(self, content: list[str], calls: list[ToolCall]) -> bool:
         text = self._buffer.lstrip()
@@ -83,16 +69,11 @@ class Llama3JsonParser(ToolCallParser):
         return True
 
     def _content(self, content: list[str], calls: list[ToolCall]) -> bool:
-        at = self._buffer.find(PYTHON_TAG)
-        if at < 0:
-            keep = len(self._buffer) - partial_suffix(self._buffer, PYTHON_TAG)
-            content.append(self._buffer[:keep])
-            self._buffer = self._buffer[keep:]
-            return False
-        content.append(self._buffer[:at])
-        self._lead, self._buffer = PYTHON_TAG, self._buffer[at + len(PYTHON_TAG):]
-        self._state = "calls"
-        return True
+        text, self._buffer, found = cut_at(self._buffer, PYTHON_TAG)
+        content.append(text)
+        if found:
+            self._lead, self._state = PYTHON_TAG, "calls"
+        return found
 
     def _calls(self, content: list[str], calls: list[ToolCall]) -> bool:
         text = self._buffer.lstrip()

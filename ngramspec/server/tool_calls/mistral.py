@@ -11,12 +11,12 @@ from typing import Any
 
 from ngramspec.server.tool_calls.base import (
     JsonSpan,
+    StateParser,
     ToolCall,
-    ToolCallParser,
     ToolFormat,
     calls_json_schema,
+    cut_at,
     literal,
-    partial_suffix,
 )
 
 TOOL_CALLS = "[TOOL_CALLS]"
@@ -47,25 +47,15 @@ def grammar(tools: list[dict[str, Any]], name: str | None, parallel: bool,
             f"call: %json {calls_json_schema(tools, name, 'arguments')}\n")
 
 
-class MistralParser(ToolCallParser):
+class MistralParser(StateParser):
     """States: "content" (text until `[TOOL_CALLS]`, a possible start of it held back),
     "open" (the list's `[` expected), "item" (a call's `{` expected), "sep" (`,` or `]`).
     Calls are taken as each object closes; whatever breaks the list is content from there."""
 
     def __init__(self, tool_names: set[str]) -> None:
-        super().__init__(tool_names, mistral_call_id)
-        self._buffer = ""
-        self._state = "content"
+        super().__init__(tool_names, "content", mistral_call_id)
         self._lead = ""  # consumed marker, brackets, commas: content unless a call follows
         self._span = JsonSpan()
-
-    def _push(self, text: str) -> tuple[str, list[ToolCall]]:
-        self._buffer += text
-        content: list[str] = []
-        calls: list[ToolCall] = []
-        while getattr(self, f"_{self._state}")(content, calls):
-            pass
-        return "".join(content), calls
 
     def _finish(self) -> tuple[str, list[ToolCall]]:
         rest = self._lead + self._buffer
@@ -74,16 +64,11 @@ class MistralParser(ToolCallParser):
         return rest, []
 
     def _content(self, content: list[str], calls: list[ToolCall]) -> bool:
-        at = self._buffer.find(TOOL_CALLS)
-        if at < 0:
-            keep = len(self._buffer) - partial_suffix(self._buffer, TOOL_CALLS)
-            content.append(self._buffer[:keep])
-            self._buffer = self._buffer[keep:]
-            return False
-        content.append(self._buffer[:at])
-        self._lead, self._buffer = TOOL_CALLS, self._buffer[at + len(TOOL_CALLS):]
-        self._state = "open"
-        return True
+        text, self._buffer, found = cut_at(self._buffer, TOOL_CALLS)
+        content.append(text)
+        if found:
+            self._lead, self._state = TOOL_CALLS, "open"
+        return found
 
     def _open(self, content: list[str], calls: list[ToolCall]) -> bool:
         return self._expect("[", "item", content)
