@@ -245,3 +245,38 @@ def test_drafting_never_pauses_while_drafts_pay():
     for _ in range(IDLE_AFTER + 2 * IDLE_PROBE_EVERY):
         assert all(t.num_drafts for t in spec.propose(_decode_schedule(4)).values())
     assert drafter.calls == IDLE_AFTER + 2 * IDLE_PROBE_EVERY
+
+
+class _FixedDrafter:
+    """The same trees every call, one per request."""
+
+    def __init__(self, trees: list[list[float]]) -> None:
+        self.trees = trees
+
+    def propose(self, request_ids: list[str], budgets: list[int]) -> list[DraftTree]:
+        return [chain(list(p[1:])) for p, _ in zip(self.trees, request_ids)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(tree_st, min_size=1, max_size=12), cost_st,
+       st.lists(st.tuples(st.floats(0, 20), st.integers(0, 20)), min_size=12, max_size=12),
+       st.lists(st.tuples(tree_st, st.lists(st.integers(1, 11), max_size=4)), max_size=6))
+def test_the_cheap_no_pay_check_never_changes_a_decision(trees, cost, records, history):
+    """Speculator._may_pay skips the sizing only where the sizing would keep no draft: the
+    trees, expectations and predicted costs equal those of a speculator that always sizes."""
+    def make() -> Speculator:
+        spec = Speculator(DrafterConfig(), _FixedDrafter(trees), cost)
+        for i, (expected, accepted) in enumerate(records):
+            spec.per_request.observe(i, expected, accepted)
+        for probs, accepted in history:
+            spec.calibrator.observe(probs, accepted)
+        return spec
+
+    checked, full = make(), make()
+    full._may_pay = lambda *args: True  # type: ignore[method-assign]
+    schedule = _decode_schedule(len(trees))
+    got, want = checked.propose(schedule), full.propose(schedule)
+    assert {k: (t.token_ids, t.probs) for k, t in got.items() if t.num_drafts} == \
+        {k: (t.token_ids, t.probs) for k, t in want.items() if t.num_drafts}
+    assert checked._expected == full._expected
+    assert checked._predicted == full._predicted

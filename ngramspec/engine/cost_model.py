@@ -31,6 +31,7 @@ class VerifyCost:
         if len(points) != len(seconds) or not points:
             raise ValueError("VerifyCost needs one time per point")
         self.points, self.seconds = list(points), list(seconds)
+        self._per_draft: dict[tuple[int, int, float], float] = {}
 
     def __call__(self, num_tokens: int) -> float:
         pts, secs = self.points, self.seconds
@@ -56,6 +57,18 @@ class VerifyCost:
         w = (n - lo) / (hi - lo)
         inside = secs[i - 1] * (1 - w) + secs[i] * w
         return np.where(n <= pts[0], secs[0], np.where(n >= pts[-1], beyond, inside))
+
+    def min_extra_per_draft(self, base_tokens: int, max_drafts: int, host: float) -> float:
+        """min over m in 1..max_drafts of (self(base + m) - self(base) + host) / m: the least
+        step time a draft can add on average (the draft sizing's bound). Cached per argument
+        triple; the curve never changes after construction."""
+        key = (base_tokens, max_drafts, host)
+        value = self._per_draft.get(key)
+        if value is None:
+            m = np.arange(1, max_drafts + 1)
+            extra = self.many(base_tokens + m) - self(base_tokens) + host
+            value = self._per_draft[key] = float((extra / m).min())
+        return value
 
     @classmethod
     def from_relative(cls, relative: list[float], points: tuple[int, ...] = DEFAULT_POINTS) -> VerifyCost:

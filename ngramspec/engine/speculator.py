@@ -12,7 +12,7 @@ import numpy as np
 from ngramspec.drafting.config import DrafterConfig
 from ngramspec.drafting.protocol import Drafter
 from ngramspec.drafting.tree import DraftBatch, DraftTree
-from ngramspec.engine.acceptance import PathProbCalibrator, RequestAcceptance
+from ngramspec.engine.acceptance import MAX_PROB, PathProbCalibrator, RequestAcceptance
 from ngramspec.engine.cost_model import VerifyCost
 from ngramspec.engine.scheduler import Schedule, ScheduledChunk
 from ngramspec.engine.sequence import Sequence, SpecCounters
@@ -94,6 +94,8 @@ class Speculator:
         else:
             sizes = (lengths - 1).tolist()
         out: dict[int, DraftTree] = {}
+        if not any(sizes):  # the engine verifies a root-only tree for every chunk left out
+            return out
         for chunk, tree in zip(chunks, batch.prefixes([k + 1 for k in sizes])):
             # The root is the sequence's last token whatever the drafter says: never trust a
             # drafter with what the model sees.
@@ -110,28 +112,66 @@ class Speculator:
         globally and then per request.
         """
         num = len(batch)
-        width = int(lengths.max())
-        held = np.arange(width) < lengths[:, None]  # [trees, width]: the nodes each tree has
-        raw = np.where(held, batch.probs[:, :width], 0.0)  # columns past a tree's end: undefined
-        calibrated = self.calibrator.correct_rows(raw)
-        factors = np.array([self.per_request.factor(c.seq.seq_id) for c in chunks])
-        probs = self.per_request.scale_rows(factors, calibrated)
         base = schedule.base_tokens
         scale, penalty, probe = 1.0, 1.0, False
         if self.guard is not None:
             scale, penalty = self.guard.correction(len(schedule.decodes))
             probe = self.guard.should_probe()
-        drafts = held & (np.arange(width) > 0)  # the root is never a draft
-        sizes = [0] * num if probe else draft_sizes(
-            probs[drafts], np.nonzero(drafts)[0], num, base, cost, penalty, scale)
+        factors = [self.per_request.factor(c.seq.seq_id) for c in chunks]
+        if probe or not self._may_pay(batch, lengths, factors, base, cost, penalty, scale):
+            sizes = [0] * num
+        else:
+            sizes = self._best_sizes(chunks, batch, lengths, np.array(factors), base, cost,
+                                     penalty, scale)
         if not probe:
             bucket = batch_bucket(len(schedule.decodes))
             self._idle[bucket] = 0 if any(sizes) else self._idle.get(bucket, 0) + 1
+        if not any(sizes):
+            for c in chunks:
+                self._expected[c.seq.seq_id] = 0.0
+        base_cost = cost(base)
+        self._predicted = (base_cost, predicted_step_cost(sizes, base, cost) if any(sizes)
+                           else base_cost)
+        return sizes
+
+    def _may_pay(self, batch: DraftBatch, lengths: np.ndarray, factors: list[float], base: int,
+                 cost: VerifyCost, penalty: float, scale: float) -> bool:
+        """False when no draft of the batch can pay, so `draft_sizes` would keep none.
+
+        Taking m drafts adds at most m * p_max expected tokens (p_max: the best node's estimate,
+        as the sizing calibrates it) for at least m * cost.min_extra_per_draft of step time; if
+        even that ratio does not beat the plain step's tokens per second at any m, nothing
+        pays. This check costs a few operations per tree, the sizing a few hundred µs, and on
+        free text most steps end here. The margin keeps rounding on the sizing's side.
+        """
+        total = int(lengths.sum()) - len(lengths)  # drafts in the batch (roots excluded)
+        if total <= 0:
+            return False
+        # A tree's best node is node 1 (trees are best-first, and the calibrations keep each
+        # row non-increasing); the batch's best is the largest of those.
+        best = self.calibrator.correct_best(batch.probs[:, 1].tolist(), lengths.tolist())
+        p_max = max((min(MAX_PROB, p * f) if f != 1.0 else p)
+                    for p, f, k in zip(best, factors, lengths.tolist()) if k > 1)
+        per_draft = cost.min_extra_per_draft(base, total, host_overhead(1))
+        return p_max * scale * cost(base) > (1 - 1e-9) * len(lengths) * penalty * per_draft
+
+    def _best_sizes(self, chunks: list[ScheduledChunk], batch: DraftBatch, lengths: np.ndarray,
+                    factors: np.ndarray, base: int, cost: VerifyCost, penalty: float,
+                    scale: float) -> list[int]:
+        """draft_sizes over the batch's calibrated estimates; records what each request is
+        expected to accept."""
+        num = len(batch)
+        width = int(lengths.max())
+        held = np.arange(width) < lengths[:, None]  # [trees, width]: the nodes each tree has
+        raw = np.where(held, batch.probs[:, :width], 0.0)  # columns past a tree's end: undefined
+        calibrated = self.calibrator.correct_rows(raw)
+        probs = self.per_request.scale_rows(factors, calibrated)
+        drafts = held & (np.arange(width) > 0)  # the root is never a draft
+        sizes = draft_sizes(probs[drafts], np.nonzero(drafts)[0], num, base, cost, penalty, scale)
         # What per_request will check: each tree's calibrated probs summed over its kept drafts.
         sums = np.cumsum(calibrated[:, 1:], axis=1).tolist() if width > 1 else [[]] * num
         for c, k, row in zip(chunks, sizes, sums):
             self._expected[c.seq.seq_id] = row[k - 1] if k else 0.0
-        self._predicted = (cost(base), predicted_step_cost(sizes, base, cost))
         return sizes
 
     def _idle_skip(self, bucket: int, base_tokens: int) -> bool:
