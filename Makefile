@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test serve bench clean setup
+.PHONY: run test test-fast serve bench clean setup
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +25,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -x   # pyproject adds -q: the closing summary line prints
+
+# No model loads and no slow checks: drafting, scheduler, KV, trees, verify, structured, protocol
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -x -m "not model and not slow"
 
 serve: $(STAMP)
 	$(BIN)/ngramspec serve --speculative ngram

@@ -385,3 +385,16 @@ def llama_server_stub(tmp_path: Path) -> Path:
     stub.write_text(f"#!{sys.executable}\n{source}")
     stub.chmod(0o755)
     return stub
+
+
+# Fixtures that load a model (the bundled one, HF's copy of it, or tiny random ones): a test that
+# uses any of them, directly or through another fixture, is marked `model` and is left out of
+# `make test-fast`.
+MODEL_FIXTURES = frozenset({"llm", "model_dir", "hf_model", "tiny_model_dirs", "tiny_gguf",
+                            "tiny_hf_models", "spec_llm", "chunked_llm"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.model)

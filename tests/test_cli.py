@@ -342,7 +342,7 @@ def test_llm_takes_vllms_keywords(monkeypatch) -> None:
         llm.add_request({"prompt": "a", "prompt_token_ids": [1]}, p)
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_llm_on_a_cached_hf_id_with_vllms_keywords(tmp_path: Path, monkeypatch) -> None:
     """The bundled GGUF as an HF cache entry: speculative_config, chat_template, sampling_params=
     and TokensPrompt dicts on a real engine; greedy speculation equals plain decoding."""

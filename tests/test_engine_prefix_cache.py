@@ -183,7 +183,7 @@ def _conversations(llm, params, turns: int = 3) -> list[list[int]]:
     return tokens
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_prefix_cache_changes_no_token() -> None:
     """Multi-turn chats on a shared system prompt, greedy, speculation off and on: the same
     tokens as with the cache off, with most prompt tokens served from the cache."""

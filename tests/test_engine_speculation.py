@@ -131,6 +131,7 @@ def _amx() -> bool:
     pytest.param({"dtype": "bfloat16"}, marks=pytest.mark.skipif(
         not _amx(), reason="bf16 linears are row-invariant only on AMX tiles (oneDNN elsewhere)")),
 ], ids=["gguf-int8", "gguf-float32", "bfloat16"])
+@pytest.mark.model
 def test_greedy_spec_equals_plain_in_faster_modes(mode):
     """The GGUF block kernels (int8 or float32 activations) and bf16 on AMX: speculative output
     equals the mode's own plain decoding."""
@@ -145,6 +146,7 @@ def test_greedy_spec_equals_plain_in_faster_modes(mode):
         check_divergence(plain_llm, name, prompt, a.token_ids, b.token_ids)
 
 
+@pytest.mark.model
 def test_decoder_stack_is_bitwise_the_python_layers():
     """kernels/decoder_stack.cpp runs every layer in one call: prefill, decode and draft-tree
     rows give bitwise the logprobs of the Python layers."""

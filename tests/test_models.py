@@ -101,6 +101,7 @@ def test_greedy_64_tokens_match_hf_teacher_forced(hf_model, prompt_ids, greedy_6
         _assert_same_tokens(rows, tokens, ref, ref.argmax(-1).tolist(), f"prompt {i} decode")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", [0, 2, 4])  # chat, code, non-English: HF generate is slow on CPU
 def test_greedy_64_tokens_match_hf_generate(i: int, hf_model, prompt_ids, greedy_64) -> None:
     ref_tokens, ref_logits = _hf_greedy(hf_model, prompt_ids[i], NUM_NEW)

@@ -20,6 +20,7 @@ CHECKS = Path(__file__).parent / "interpreted" / "triton_attention.py"
 SIDE_SITE = Path(sys.prefix) / "triton-site"
 
 
+@pytest.mark.slow
 def test_triton_kernel_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     if (SIDE_SITE / "triton").is_dir():

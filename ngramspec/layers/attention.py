@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -66,8 +67,8 @@ class KVCache:
         dtype: torch.dtype, device: torch.device,
     ) -> None:
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, slots, KVH, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = _zeros(shape, dtype, device)  # [layers, slots, KVH, D]
+        self.v = _zeros(shape, dtype, device)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the step's new K/V ([T, KVH, D]) at their slots, in the cache's dtype."""
@@ -77,6 +78,17 @@ class KVCache:
     @staticmethod
     def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros that take memory only where written, on the CPU: numpy's zeros come from calloc,
+    whose large blocks are fresh zero pages the kernel maps in on first touch, where torch.zeros
+    writes every byte (a 1 GiB K/V pool would be resident before its first request)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros((*shape[:-1], shape[-1] * size), np.uint8)
+    return torch.from_numpy(raw).view(dtype)
 
 
 class ReferenceAttention:
