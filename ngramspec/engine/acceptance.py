@@ -44,16 +44,16 @@ class PathProbCalibrator:
         out[:, 0] = 1.0
         return np.minimum.accumulate(out, axis=1)
 
-    def correct_best(self, firsts: list[float], lengths: list[int]) -> list[float]:
-        """Each tree's best calibrated estimate, its node 1's (`correct_rows` keeps rows
-        non-increasing): from each tree's raw node-1 estimate, 0.0 for a tree of its root alone."""
+    def correct_best(self, firsts: list[float]) -> list[float]:
+        """Each tree's best calibrated estimate from its raw node-1 estimate (`correct_rows`
+        keeps rows non-increasing, so node 1 holds a tree's best)."""
         self._learn()
         last = len(PRIOR_RATIO) - 1
         accepted, predicted = self.accepted.tolist(), self.predicted.tolist()
         out = []
-        for p, k in zip(firsts, lengths):
+        for p in firsts:
             b = min(int(p * len(PRIOR_RATIO)), last)
-            out.append(min(p * accepted[b] / predicted[b], MAX_PROB) if k > 1 else 0.0)
+            out.append(min(p * accepted[b] / predicted[b], MAX_PROB))
         return out
 
     def observe(self, raw_probs: list[float], accepted_nodes: list[int]) -> None:

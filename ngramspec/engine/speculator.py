@@ -120,38 +120,36 @@ class Speculator:
         factors = [self.per_request.factor(c.seq.seq_id) for c in chunks]
         if probe or not self._may_pay(batch, lengths, factors, base, cost, penalty, scale):
             sizes = [0] * num
+            for c in chunks:
+                self._expected[c.seq.seq_id] = 0.0
         else:
             sizes = self._best_sizes(chunks, batch, lengths, np.array(factors), base, cost,
                                      penalty, scale)
         if not probe:
             bucket = batch_bucket(len(schedule.decodes))
             self._idle[bucket] = 0 if any(sizes) else self._idle.get(bucket, 0) + 1
-        if not any(sizes):
-            for c in chunks:
-                self._expected[c.seq.seq_id] = 0.0
-        base_cost = cost(base)
-        self._predicted = (base_cost, predicted_step_cost(sizes, base, cost) if any(sizes)
-                           else base_cost)
+        self._predicted = (cost(base), predicted_step_cost(sizes, base, cost))
         return sizes
 
     def _may_pay(self, batch: DraftBatch, lengths: np.ndarray, factors: list[float], base: int,
                  cost: VerifyCost, penalty: float, scale: float) -> bool:
-        """False when no draft of the batch can pay, so `draft_sizes` would keep none.
+        """False when no draft of the batch can pay, so `draft_sizes` would keep none: a cheap
+        bound that spares the sizing on the steps (most, on free text) where nothing pays.
 
         Taking m drafts adds at most m * p_max expected tokens (p_max: the best node's estimate,
         as the sizing calibrates it) for at least m * cost.min_extra_per_draft of step time; if
         even that ratio does not beat the plain step's tokens per second at any m, nothing
-        pays. This check costs a few operations per tree, the sizing a few hundred µs, and on
-        free text most steps end here. The margin keeps rounding on the sizing's side.
+        pays. The margin keeps rounding on the sizing's side.
         """
         total = int(lengths.sum()) - len(lengths)  # drafts in the batch (roots excluded)
         if total <= 0:
             return False
         # A tree's best node is node 1 (trees are best-first, and the calibrations keep each
         # row non-increasing); the batch's best is the largest of those.
-        best = self.calibrator.correct_best(batch.probs[:, 1].tolist(), lengths.tolist())
+        drafting = lengths > 1
+        best = self.calibrator.correct_best(batch.probs[drafting, 1].tolist())
         p_max = max((min(MAX_PROB, p * f) if f != 1.0 else p)
-                    for p, f, k in zip(best, factors, lengths.tolist()) if k > 1)
+                    for p, f in zip(best, np.asarray(factors)[drafting].tolist()))
         per_draft = cost.min_extra_per_draft(base, total, host_overhead(1))
         return p_max * scale * cost(base) > (1 - 1e-9) * len(lengths) * penalty * per_draft
 

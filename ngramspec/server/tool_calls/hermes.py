@@ -7,8 +7,8 @@ import json
 from typing import Any
 
 from ngramspec.server.tool_calls.base import (
+    StateParser,
     ToolCall,
-    ToolCallParser,
     ToolFormat,
     calls_json_schema,
     cut_at,
@@ -46,39 +46,35 @@ def grammar(tools: list[dict[str, Any]], name: str | None, parallel: bool,
     return f'start: call{repeat}\ncall: {open_} "\\n" %json {schema} "\\n" {close}\n'
 
 
-class HermesParser(ToolCallParser):
+class HermesParser(StateParser):
     """Text outside `<tool_call>` blocks is content (a possible start of the tag is held back);
-    each block is a call once it closes, or at the end if the model stopped inside it."""
+    each block is a call once it closes, or at the end if the model stopped inside it. States:
+    "outside" and "inside" a block."""
 
     def __init__(self, tool_names: set[str]) -> None:
-        super().__init__(tool_names)
-        self._buffer = ""
-        self._inside = False
+        super().__init__(tool_names, "outside")
 
-    def _push(self, text: str) -> tuple[str, list[ToolCall]]:
-        self._buffer += text
-        content: list[str] = []
-        calls: list[ToolCall] = []
-        while True:
-            if self._inside:
-                end = self._buffer.find(CLOSE)
-                if end < 0:
-                    break
-                calls += self._block(self._buffer[:end], content)
-                self._buffer, self._inside = self._buffer[end + len(CLOSE):], False
-                continue
-            text, self._buffer, self._inside = cut_at(self._buffer, OPEN)
-            content.append(text)
-            if not self._inside:
-                break
-        return "".join(content), calls
+    def _outside(self, content: list[str], calls: list[ToolCall]) -> bool:
+        text, self._buffer, found = cut_at(self._buffer, OPEN)
+        content.append(text)
+        if found:
+            self._state = "inside"
+        return found
+
+    def _inside(self, content: list[str], calls: list[ToolCall]) -> bool:
+        end = self._buffer.find(CLOSE)
+        if end < 0:
+            return False
+        calls += self._block(self._buffer[:end], content)
+        self._buffer, self._state = self._buffer[end + len(CLOSE):], "outside"
+        return True
 
     def _finish(self) -> tuple[str, list[ToolCall]]:
         """An unclosed block is parsed as a call if it can be."""
         rest, self._buffer = self._buffer, ""
-        if not self._inside:
+        if self._state != "inside":
             return rest, []
-        self._inside = False
+        self._state = "outside"
         content: list[str] = []
         calls = self._block(rest, content, unclosed=True)
         return "".join(content), calls
