@@ -1,4 +1,4 @@
-"""Progress for the one-time native builds (the C++ kernels, the drafter's numba kernels).
+"""Progress for the one-time native builds (the C++ CPU kernels, the drafter's kernels).
 
 A first run compiles for minutes; without a word it looks hung. `build_progress` says what is
 being built, for how long it should take (the last build's time on this machine, else a default)

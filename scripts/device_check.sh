@@ -47,7 +47,7 @@ smoke() {  # a broken Triton kernel or graph capture must not cost the benchmark
     "Repeat: one two three, one two three, one two" >> "$OUT/log.txt" 2>&1
 }
 if [ "$DEVICE" = cuda ]; then
-  log "smoke check: triton attention, CUDA graphs (also compiles and caches the numba drafter)"
+  log "smoke check: triton attention, CUDA graphs (also compiles and caches the native drafter)"
   if ! smoke --attention-backend triton; then
     log "triton + CUDA graphs FAILED; trying triton eager"
     if smoke --attention-backend triton --enforce-eager; then

@@ -42,7 +42,7 @@ def test_round_trip(tmp_path):
     assert meta2 == meta
     assert_same(arrays, arrays2)
     assert persist.read_kind(path) == "sam"
-    # Views, not copies, and 8-byte aligned so numba/numpy kernels get aligned data.
+    # Views, not copies, and 8-byte aligned so the native and numpy kernels get aligned data.
     assert all(not a.flags.writeable for a in arrays2.values())
     assert all(a.flags.aligned for a in arrays2.values())
 

@@ -10,9 +10,9 @@ from oracles.context import ReferenceContextIndex
 from ngramspec.drafting.index.context import ContextIndex
 from ngramspec.drafting.index.sam import SEPARATOR
 
-# Every test runs on the pure-Python reference and on the numba index (same results).
+# Every test runs on the pure-Python reference and on the native index (same results).
 backends = pytest.mark.parametrize("index_cls", [ReferenceContextIndex, ContextIndex],
-                                   ids=["python", "numba"])
+                                   ids=["python", "native"])
 tokens_strategy = st.lists(st.integers(0, 3), min_size=1, max_size=40)
 
 
@@ -60,7 +60,7 @@ def test_anchors_match_brute_force(index_cls, refs, stream, max_match, k):
 def test_anchors_at_an_earlier_position_match_brute_force(index_cls, refs, stream, max_match,
                                                           k, data):
     """A wildcard match looks up the suffix ending before the last tokens: the same anchors as
-    if the index ended there (numba walks `prev` chains, the reference scans)."""
+    if the index ended there (the native index walks `prev` chains, the reference scans)."""
     index = build(index_cls, refs, stream, max_match, k)
     tokens = list(index.tokens)
     end = data.draw(st.integers(-1, len(tokens) - 1))

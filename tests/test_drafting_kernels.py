@@ -301,31 +301,32 @@ def test_a_trie_of_another_depth_is_refused() -> None:
     assert drafter.propose(["a"], [3])[0].token_ids[0] == 2  # still serving
 
 
-def test_step_kernels_refuse_non_contiguous_arrays() -> None:
-    """They alias their arguments by address (kernels/step.py `_raw`, `_queue_ints`, `Globals`):
-    a strided view would be read as if it were contiguous, and a queue of another item type as
-    int64. Tiny kernels over the same helpers stand in for the step kernel (a whole new
-    specialization of it would compile for minutes)."""
-    from numba import njit
-    from numba.core.errors import TypingError
+def test_the_step_kernel_refuses_wrong_arrays() -> None:
+    """It reads its arguments by address (drafter.cpp `take`, layout.py `Globals`): a strided
+    view would be read as if it were contiguous, and a queue of another item type as int64."""
+    from ngramspec.drafting.kernels import layout, native
 
-    from ngramspec.drafting.kernels import step
-
-    first = njit(lambda a: step._raw(a)[0])
-    with pytest.raises(ValueError, match="C-contiguous"):
-        first(np.zeros(6, np.int64)[::2])
-    assert first(np.arange(3, 6, dtype=np.int64)) == 3
-    queue_first = njit(lambda a: step._queue_ints(a)[0])
-    assert queue_first(array.array("q", [7, 8])) == 7
-    for wrong in (array.array("i", [7, 8]), np.zeros(6, np.int64)[::2]):
-        with pytest.raises(TypingError):
-            queue_first(wrong)
     drafter = NgramDrafter(DrafterConfig())
-    drafter._new_globals(drafter._layout)
+    drafter.start("a", [1, 2, 3, 1, 2])
+    g = drafter._new_globals(drafter._layout).table
+    out, out_p = np.empty((1, 3 * drafter._nodes + 1), np.int64), np.empty((1, drafter._nodes))
+    io = array.array("q", [drafter._requests["a"].slot, 3])
+    assert native().propose(io, 0, out, out_p, g, 0.0, False) == 0
+    assert out[0, 3 * drafter._nodes] >= 1
+    with pytest.raises(TypeError, match="io: expected a C-contiguous 1-d int64"):
+        native().propose(array.array("i", [0, 3]), 0, out, out_p, g, 0.0, False)
+    with pytest.raises(TypeError, match="out: expected a writable C-contiguous"):
+        native().propose(io, 0, np.zeros((2, 2 * out.shape[1]), np.int64)[:, ::2], out_p, g,
+                         0.0, False)
+    with pytest.raises(TypeError, match="out_p: expected a C-contiguous 2-d float64"):
+        native().propose(io, 0, out, out_p.astype(np.float32), g, 0.0, False)
+    with pytest.raises(ValueError, match="output rows"):
+        native().propose(io, 0, out[:0], out_p, g, 0.0, False)
     arrays = list(drafter._globals.arrays)
-    arrays[step.G_COLS] = np.zeros((8, 18), np.int32)[:, ::2]
+    arrays[layout.G_COLS] = np.zeros((8, 18), np.int32)[:, ::2]
     with pytest.raises(ValueError, match="global 10: expected a C-contiguous 2-d int32"):
-        step.Globals(tuple(arrays))
+        layout.Globals(tuple(arrays))
+    assert drafter.propose(["a"], [3])[0].token_ids[0] == 2  # still serving
 
 
 class _Lockstep:
@@ -357,8 +358,8 @@ class _Lockstep:
 
 
 def test_threaded_builds_give_the_same_trees() -> None:
-    """draft_threads builds a batch's trees on several threads (kernels/step.py
-    `propose_parallel`): the trees, counts and calibration are those of one thread, with and
+    """draft_threads builds a batch's trees on several threads (drafter.cpp `propose`,
+    parallel): the trees, counts and calibration are those of one thread, with and
     without a corpus."""
     from pathlib import Path
 
@@ -403,42 +404,3 @@ def test_a_batch_naming_a_request_twice_is_built_by_one_thread() -> None:
     assert trees_two[0].token_ids == trees_two[8].token_ids
 
 
-def test_stale_kernel_cache_dropped_under_numba_cache_dir(tmp_path) -> None:
-    """An edit of any kernel module drops the cached machine code wherever numba keeps it:
-    beside the sources and under NUMBA_CACHE_DIR, in the folder numba itself names (a kernel
-    inlines other modules' kernels, which numba's own check does not see)."""
-    from numba.core.caching import _CacheLocator
-
-    from ngramspec.drafting.kernels import drop_stale_kernel_cache
-
-    package = tmp_path / "kernels"
-    package.mkdir()
-    (package / "build.py").write_text("x = 1\n")
-    user_dir = tmp_path / "numba_cache"
-    caches = [package / "__pycache__",
-              user_dir / _CacheLocator.get_suitable_cache_subpath(str(package / "build.py"))]
-
-    def plant() -> None:
-        for cache in caches:
-            cache.mkdir(parents=True, exist_ok=True)
-            (cache / "build.f-1.py311.nbi").write_text("")
-            (cache / "build.f-1.py311.1.nbc").write_text("")
-
-    def cached() -> list[int]:
-        return [len(list(cache.glob("*.nb?"))) for cache in caches]
-
-    plant()
-    drop_stale_kernel_cache(package, str(user_dir))  # no stamp yet: dropped
-    assert cached() == [0, 0]
-    plant()
-    drop_stale_kernel_cache(package, str(user_dir))  # unchanged sources: kept
-    assert cached() == [2, 2]
-    (package / "sam.py").write_text("y = 2\n")
-    drop_stale_kernel_cache(package, str(user_dir))  # a module added: dropped
-    assert cached() == [0, 0]
-    plant()
-    drop_stale_kernel_cache(package, "")  # no NUMBA_CACHE_DIR: only __pycache__ is checked
-    assert cached() == [2, 2]
-    (package / "build.py").write_text("x = 3\n")
-    drop_stale_kernel_cache(package, "")
-    assert cached() == [0, 2]

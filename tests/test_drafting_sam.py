@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from numba import njit
-
 from ngramspec.drafting.index.sam import ROOT, SEPARATOR, SuffixAutomaton
-from ngramspec.drafting.kernels import sam as sk
+from ngramspec.drafting.kernels import layout as sk
+from ngramspec.drafting.kernels import native
 
 docs_strategy = st.lists(
     st.lists(st.integers(0, 3), min_size=1, max_size=25), min_size=1, max_size=3
@@ -212,30 +211,6 @@ def test_builds_200k_tokens_quickly():
     assert elapsed < 15.0  # ~5 µs/token in pure Python on a loaded 2-core box
 
 
-@njit  # not cached: numba would not see a change in kernels/sam.py
-def _interleaved(states, trans, roots, matches, toks, los, cap):
-    """The batch driver's loop (kernels/step.py `_catch_up_batch`) over plain arrays: every
-    (request, corpus) walk advanced one stage at a time, round-robin."""
-    num, corpora = matches.shape[0], roots.shape[0]
-    lanes = np.empty((num * corpora, sk.LANE_COLUMNS), np.int64)
-    live = 0
-    for i in range(num):
-        for k in range(corpora):
-            if sk.start_lane(roots, k, matches[i, k], los[i], toks.shape[1], cap, lanes[live]):
-                lanes[live, sk.L_SLOT] = i
-                live += 1
-    while live > 0:
-        j = 0
-        while j < live:
-            i, k = lanes[j, sk.L_SLOT], lanes[j, sk.L_CORPUS]
-            if sk.step_lane(states, trans, roots[k], lanes[j], toks[i], cap):
-                sk.finish_lane(lanes[j], matches[i, k])
-                live -= 1
-                lanes[j, :] = lanes[live, :]
-            else:
-                j += 1
-
-
 def _reference_catch_up(sams, roots, match, tok, lo, n, cap) -> None:
     """The oracle of a request's walks: feed each corpus's match tok[fed:n] with the Python
     automaton's `advance` (from the root over the last `cap` tokens from `lo` on when marked
@@ -258,7 +233,7 @@ def _reference_catch_up(sams, roots, match, tok, lo, n, cap) -> None:
        st.integers(1, 6), st.data())
 @settings(max_examples=150, deadline=None)
 def test_interleaved_catch_up_equals_advance(corpora, toks, cap, data):
-    """The prefetching walks of a batch (kernels/sam.py `step_lane`) end where the automaton's
+    """The prefetching walks of a batch (drafter.cpp `run_walks`) end where the automaton's
     `advance` does, from fresh (-1) and part-fed matches, across separators and the length
     clamp."""
     sams = [build(docs)[0] for docs in corpora]
@@ -275,6 +250,6 @@ def test_interleaved_catch_up_equals_advance(corpora, toks, cap, data):
     want = matches.copy()
     for i in range(num):
         _reference_catch_up(sams, bank.roots, want[i], toks[i], los[i], toks.shape[1], cap)
-    _interleaved(bank.states, bank.trans, bank.roots, matches, toks, np.array(los, np.int64),
-                 cap)
+    native().catch_up(bank.states, bank.trans, bank.edges, bank.roots, matches, toks,
+                      np.array(los, np.int64), cap)
     assert matches.tolist() == want.tolist()

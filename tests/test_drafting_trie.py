@@ -15,8 +15,8 @@ from oracles.trie import ROOT, ReferenceTrie
 from ngramspec.drafting.config import DEFAULT_CAPACITY
 from ngramspec.drafting.index.trie import NgramTrie
 
-# Every test runs on the pure-Python reference and on the numba trie (same API, same results).
-backends = pytest.mark.parametrize("trie_cls", [ReferenceTrie, NgramTrie], ids=["python", "numba"])
+# Every test runs on the pure-Python reference and on the native trie (same API, same results).
+backends = pytest.mark.parametrize("trie_cls", [ReferenceTrie, NgramTrie], ids=["python", "native"])
 
 streams_strategy = st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=30), min_size=1,
                             max_size=3)

@@ -62,16 +62,17 @@ def test_greedy_spec_equals_plain_with_staggered_arrivals(llm, spec_llm):
 def test_greedy_spec_equals_plain_with_threaded_drafting(llm, monkeypatch):
     """--draft-threads: the batch's trees built on two threads beside torch's own; output as
     plain decoding, and the threaded kernel really ran."""
-    from ngramspec.drafting.kernels import step
+    from ngramspec.drafting.kernels import native
 
     calls = []
-    threaded = step.propose_parallel
+    propose = native().propose
 
     def counted(*args):
-        calls.append((len(args[0]) - args[1]) // 2)  # the batch: io after the queue
-        return threaded(*args)
+        if args[-1]:  # parallel
+            calls.append((len(args[0]) - args[1]) // 2)  # the batch: io after the queue
+        return propose(*args)
 
-    monkeypatch.setattr(step, "propose_parallel", counted)
+    monkeypatch.setattr(native(), "propose", counted)
     prompts = spec_prompts()[:12]
     params = SamplingParams(temperature=0, max_tokens=48)
     plain = llm.generate([p for _, p, _ in prompts], params)

@@ -1,10 +1,9 @@
 """`ngramspec build`: compile the native code for this machine now, with progress, so that the
 first request does not wait for it. `make run` and `make test` run it at set-up.
 
-What it builds (each once, cached under `$NGRAMSPEC_CACHE` or numba's cache, then only loaded):
-the C++ CPU kernels for the tier `NGRAMSPEC_CPU_ISA` names (default: everything this CPU has),
-the drafter's numba kernels and the engine's tree-list kernel. The drafter's threaded kernel
-(`--draft-threads` > 1, for GPU servers) compiles, with progress, when first used.
+What it builds (each once, cached under `$NGRAMSPEC_CACHE`, then only loaded): the C++ CPU
+kernels for the tier `NGRAMSPEC_CPU_ISA` names (default: everything this CPU has), and the
+drafter's native kernels (drafting/kernels/drafter.cpp, which also lists a step's tree tokens).
 """
 
 from __future__ import annotations
@@ -25,8 +24,7 @@ def register(sub: Any) -> None:
 
 
 def run_build(args: argparse.Namespace) -> int:
-    from ngramspec.drafting.drafter import warm_up
-    from ngramspec.engine.step_inputs import warm_up as warm_up_tree_lists
+    from ngramspec.drafting.kernels import native
     from ngramspec.kernels import KernelBuildError, cpu_kernels, isa_tier
 
     start = time.monotonic()
@@ -38,7 +36,6 @@ def run_build(args: argparse.Namespace) -> int:
         except KernelBuildError as e:  # the engine still runs, on PyTorch ops: say so, go on
             print(f"warning: {e}; the engine will run PyTorch ops instead (slower)",
                   file=sys.stderr)
-    warm_up()
-    warm_up_tree_lists()
+    native()
     print(f"ngramspec build: ready in {time.monotonic() - start:.0f} s", file=sys.stderr)
     return 0

@@ -38,14 +38,14 @@ NUM_BUCKETS = len(BUCKET_EDGES) + 1
 # A conditional estimate never reaches 1: path probabilities must strictly reflect risk.
 MAX_CONDITIONAL = 0.98
 # Evidence class = 2 * source + unique (the matched suffix had at most one earlier occurrence),
-# plus SKIP_CLASSES for a wildcard match or the trie fallback; kernels/build.py `_class`
+# plus SKIP_CLASSES for a wildcard match or the trie fallback; kernels/drafter.cpp `evidence_class`
 # computes it.
 SKIP_CLASSES = 2 * NUM_SOURCES
 NUM_CLASSES = 2 * SKIP_CLASSES
 # Columns of SourceCalibrator.settings, the scalars the kernels read: the factors' prior (mass,
 # weight), the request gain's prior weight (0: no gain) and per-step decay.
 PRIOR_MASS, PRIOR_WEIGHT, GAIN_PRIOR, GAIN_DECAY = range(4)
-# A request's gain state, after its tree (kernels/build.py request_views): per source, the
+# A request's gain state, after its tree (kernels/drafter.cpp RequestTree): per source, the
 # accepted and predicted sums at 2 * source + GAIN_ACCEPTED / GAIN_PREDICTED.
 GAIN_ACCEPTED, GAIN_PREDICTED = range(2)
 GAIN_FLOATS = 2 * NUM_SOURCES
@@ -59,11 +59,11 @@ def class_name(cls: int) -> str:
 
 
 class SourceCalibrator:
-    """The calibration tables in one float64 array that the numba kernels read and update in place.
+    """The calibration tables in one float64 array that the native kernels read and update in place.
 
     cal[0] raw sums, cal[1] acceptances, cal[2] trials, cal[3] factors, each [class, bucket];
-    `settings` (columns PRIOR_MASS ... GAIN_DECAY). The update is kernels/commit.py `learn`, the
-    estimate kernels/build.py `_estimate` (tests/oracles/calibration.py is their list-based
+    `settings` (columns PRIOR_MASS ... GAIN_DECAY). The update is kernels/drafter.cpp `learn`, the
+    estimate its `TreeBuild::estimate` (tests/oracles/calibration.py is their list-based
     reference).
     """
 
@@ -80,6 +80,14 @@ class SourceCalibrator:
     def reset(self) -> None:
         self.cal = np.zeros((4, NUM_CLASSES, NUM_BUCKETS), np.float64)
         self.cal[3] = self.prior_factor
+
+    def request_gain(self, sums: list[float], src: int) -> float:
+        """A request's gain of `src` from its sums (GAIN_FLOATS; drafter.cpp
+        `Calibration::gain_of`): 1 when the gain is off."""
+        g = float(self.settings[GAIN_PRIOR])
+        if g <= 0.0:
+            return 1.0
+        return (sums[2 * src + GAIN_ACCEPTED] + g) / (sums[2 * src + GAIN_PREDICTED] + g)
 
     def stats(self) -> dict[str, dict[str, list[float]]]:
         """Per class ("context", "context/unique", ...): trials, acceptance rate and learned

@@ -1,4 +1,4 @@
-"""NgramDrafter: one best-first draft tree over every n-gram source, built by numba kernels.
+"""NgramDrafter: one best-first draft tree over every n-gram source, built by native kernels.
 
 Sources (drafting/sources.py): the request's own context (references, prompt, output), the global
 trie learned across requests, and every external corpus. Each source turns a matched suffix into
@@ -6,8 +6,8 @@ a cursor; a cursor lists continuation tokens with raw estimates `count / (occurr
 normalised within that source, which the calibrator turns into P(accepted | parent accepted) per
 (source, matched length). All cursors feed ONE ranking by the estimated probability that the
 whole path is accepted, so the tree is best-first: node i's path probability never exceeds that
-of any earlier node (kernels/build.py has the walk, which keeps only the candidates the tree can
-still take, and offers none that could not be placed).
+of any earlier node (kernels/drafter.cpp `TreeBuild` has the walk, which keeps only the candidates
+the tree can still take, and offers none that could not be placed).
 
 Trie policy: the prompt and every committed token go into the global trie as soon as they are
 known (count once), so concurrent requests sharing text help each other at once. The same
@@ -15,7 +15,7 @@ tokens are also in the request's own context, so both sources may propose the sa
 candidates merge into one node that keeps the higher estimate (the two estimates are one piece
 of evidence counted twice, so they are not combined as independent).
 
-A whole propose is one kernel call (kernels/step.py): the commits queued since the last one (learn
+A whole propose is one kernel call (kernels/drafter.cpp `propose`): the commits queued since the last one (learn
 from the pending tree, index and count the new tokens), in the order they came, then every tree of
 the batch. Readers of the trie or the calibration (`trie`, `stats`) run the queue first, so every
 observable state is the one eager commits would give. Per-request output arrays double as the
@@ -26,9 +26,7 @@ lockstep property tests hold this to, tree for tree.
 from __future__ import annotations
 
 import array
-import functools
 import operator
-import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,14 +36,11 @@ from ngramspec.drafting.config import CorpusSnapshot, DrafterConfig
 from ngramspec.drafting.index.context import ContextIndex
 from ngramspec.drafting.index.sam import SuffixAutomaton
 from ngramspec.drafting.index.trie import NgramTrie, TrieState
-from ngramspec.drafting.kernels import build as bk
-from ngramspec.drafting.kernels import cache_location, compiled_on_disk, step
-from ngramspec.drafting.kernels.sam import CorpusBank
+from ngramspec.drafting.kernels import layout as bk
+from ngramspec.drafting.kernels import native
+from ngramspec.drafting.kernels.layout import CorpusBank, Globals, NoBank, RequestTable
 from ngramspec.drafting.sources import NUM_SOURCES, SOURCE_NAMES
 from ngramspec.drafting.tree import DraftBatch
-from ngramspec.progress import build_progress
-
-_BUILD_DEFAULT_S = 180.0  # the progress estimate before this machine has compiled a kernel
 
 
 @dataclass(slots=True)
@@ -67,11 +62,11 @@ class _Request:
     slot: int  # its row in the RequestTable
     context: ContextIndex  # references + separator + prompt + committed output
     trie_state: TrieState
-    # The last built tree and its evidence (laid out as build.request_views says), with
+    # The last built tree and its evidence (laid out as layout.request_sizes says), with
     # trie_start and the nodes awaiting commit in the header of `ints`.
     ints: np.ndarray  # int64
     floats: np.ndarray  # float64: path probabilities first
-    matches: np.ndarray  # int64 [corpora, 3]: the request's match in each corpus (kernels/sam)
+    matches: np.ndarray  # int64 [corpora, 3]: the request's match in each corpus (layout.py)
     layout: _Layout  # the layout its buffers follow (re-laid at its next build when stale)
 
     @property
@@ -80,20 +75,16 @@ class _Request:
         return int(self.ints[bk.R_TRIE_START])
 
     def arrays(self) -> tuple[np.ndarray, ...]:
-        """Its arrays in RequestTable field order (kernels/step.py)."""
+        """Its arrays in RequestTable field order (layout.py F_*)."""
         return (*self.context.arrays(), self.trie_state.arr, self.ints, self.floats,
                 self.matches)
 
 
 class NgramDrafter:
-    def __init__(self, config: DrafterConfig, corpora: CorpusSnapshot | None = None, *,
-                 warm: bool = True) -> None:
+    def __init__(self, config: DrafterConfig, corpora: CorpusSnapshot | None = None) -> None:
         if config.preset != "ngramspec":
             raise ValueError(f"NgramDrafter serves the 'ngramspec' preset, not {config.preset!r}")
-        if warm:
-            warm_up()
-            if config.draft_threads > 1:
-                warm_up_parallel()
+        self._native = native()  # built here on a machine's first use, with progress
         self.config = config
         # Fixed here: a later change to the (mutable) config must not outgrow the threads' rows.
         self._threads = config.draft_threads
@@ -103,8 +94,8 @@ class NgramDrafter:
             config.calibrate, config.calibration_prior_weight,
             gain_prior=config.request_gain_prior, gain_decay=config.request_gain_decay)
         self._requests: dict[str, _Request] = {}
-        self._table = step.RequestTable()
-        # Commits and prompt insertions wait here for the next kernel call (kernels/step.py):
+        self._table = RequestTable()
+        # Commits and prompt insertions wait here for the next kernel call (drafter.cpp):
         # each (slot, new tokens, trie start) followed by its tokens, and how many trie
         # positions they extend; slots of stopped requests are released once their operations
         # ran.
@@ -112,16 +103,12 @@ class NgramDrafter:
         self._queued_positions = 0
         self._releasing: list[int] = []
         self._queue_epoch = self._trie.epoch  # the trie's epoch when the first waiting op came
-        self._globals: step.Globals | None = None  # made for the arrays in use (_new_globals)
+        self._globals: Globals | None = None  # made for the arrays in use (_new_globals)
         # Config values read on every step, kept as plain attributes (a request-step is a few
         # µs, so even property and method-call overheads show).
         self._nodes = config.num_draft_tokens + 1
         self._depth = config.max_trie_depth
         self._min_path_prob = float(config.min_path_prob)  # the kernel's types are fixed
-        self._kernel = None  # step.propose without dispatch, made at its first use
-        # The last batch's arrays, reused while nothing else holds them (`propose`).
-        self._out = np.empty((0, 3 * self._nodes + 1), np.int64)
-        self._out_p = np.empty((0, self._nodes), np.float64)
         self._layout = self._new_layout({})
         self._current_layout()  # the corpus bank is built here, not in the first step
         self._counts = np.zeros(2 * NUM_SOURCES, np.int64)  # drafted, then accepted, by source
@@ -209,16 +196,16 @@ class NgramDrafter:
 
     # ----------------------------------------------------------------- the queue
 
-    def _new_globals(self, layout: _Layout) -> step.Globals:
-        """The kernels' table of the shared arrays (kernels/step.py `Globals`), made anew when
+    def _new_globals(self, layout: _Layout) -> Globals:
+        """The kernels' table of the shared arrays (layout.py `Globals`), made anew when
         the trie grew or was replaced, the calibration was reset, the request table grew or the
         corpora changed (each replaces an array that `_run` checks)."""
         trie, cal, table = self._trie, self.calibrator, self._table
-        bank, s = layout.bank or _NO_BANK, layout.scratch
-        self._globals = step.Globals((
+        bank, s = layout.bank or NoBank, layout.scratch
+        self._globals = Globals((
             table.addr, table.size, layout.params, cal.cal, cal.settings, self._counts,
             s.ints, s.floats, s.work, s.counts, trie.cols, trie.edges, trie.runs, trie.meta,
-            bank.states, bank.trans, bank.edges, bank.roots, s.lanes))
+            bank.states, bank.trans, bank.edges, bank.roots))
         return self._globals
 
     def _drop_bad_commits(self) -> None:
@@ -227,10 +214,10 @@ class NgramDrafter:
         which would cost ~0.3 µs a step)."""
         queue, kept, bad, i = self._queue, [], [], 0
         while i < len(queue):
-            slot, count = queue[i + step.O_SLOT], queue[i + step.O_COUNT]
-            op = queue[i:i + step.O_TOKENS + count]
-            i += step.O_TOKENS + count
-            if _int32s(op[step.O_TOKENS:]):
+            slot, count = queue[i + bk.O_SLOT], queue[i + bk.O_COUNT]
+            op = queue[i:i + bk.O_TOKENS + count]
+            i += bk.O_TOKENS + count
+            if _int32s(op[bk.O_TOKENS:]):
                 kept += op
             else:
                 bad.append(slot)
@@ -242,8 +229,8 @@ class NgramDrafter:
         raise ValueError(f"commit of requests {names}: token ids must be int32 (dropped)")
 
     def _failed(self, failed: int) -> None:
-        """Raise for a kernel's failure code (kernels/step.py)."""
-        if failed == step.BAD_TOKENS:  # nothing ran
+        """Raise for a kernel's failure code (layout.py)."""
+        if failed == bk.BAD_TOKENS:  # nothing ran
             self._drop_bad_commits()  # raises, naming them; the rest of the queue stays
         raise RuntimeError("trie columns were not grown before extend (bug)")
 
@@ -256,7 +243,7 @@ class NgramDrafter:
     def _flush(self) -> None:
         """Run the queued operations now (a reader of the trie or calibration is coming)."""
         if self._queue:
-            self._run([], self._layout, self._out, self._out_p)  # no tree: nothing written
+            self._run([], self._layout, _NO_TREES, _NO_PROBS)  # no tree: nothing written
 
     # ----------------------------------------------------------------- proposing
 
@@ -271,7 +258,7 @@ class NgramDrafter:
         if self.corpora is not None and self.corpora.snapshot() is not layout.snapshot:
             layout = self._current_layout()  # the registry publishes a new one on any change
         cap, trie, requests = self._nodes - 1, self._trie, self._requests
-        batch: list[int] = []  # (slot, budget) per request (kernels/step.py)
+        batch: list[int] = []  # (slot, budget) per request (drafter.cpp `propose`)
         for rid, budget in zip(request_ids, budgets):  # one pass: this runs per request-step
             req = requests[rid]
             if budget > cap:  # noqa: PLR1730 (not min(): a builtin call shows at this scale)
@@ -279,14 +266,10 @@ class NgramDrafter:
             if req.layout is not layout or budget > 0 and req.trie_state.epoch != trie.epoch:
                 self._refresh(req, layout, budget)
             batch += (req.slot, budget)
-        # The last batch's arrays are reused when no one else holds them or a view of them
-        # (reference counts: this attribute, the local and getrefcount's argument): the caller
-        # dropped that batch, so no one can see them change (two allocations: ~0.45 µs a step);
-        # a held batch is never written. The layout is kernels/step.py `_build_one`'s.
-        out, out_p = self._out, self._out_p
-        if out.shape[0] != num or sys.getrefcount(out) > 3 or sys.getrefcount(out_p) > 3:
-            out = self._out = np.empty((num, 3 * self._nodes + 1), np.int64)
-            out_p = self._out_p = np.empty((num, self._nodes), np.float64)
+        # Per request: tokens, parents and sources (nodes columns each), then the node count;
+        # and the path probabilities (drafter.cpp `build_one`).
+        out = np.empty((num, 3 * self._nodes + 1), np.int64)
+        out_p = np.empty((num, self._nodes), np.float64)
         self._run(batch, layout, out, out_p)
         return DraftBatch.trusted(out, out_p)  # shaped above
 
@@ -303,7 +286,7 @@ class NgramDrafter:
 
     def _run(self, batch: list[int], layout: _Layout, out: np.ndarray,
              out_p: np.ndarray) -> None:
-        """One kernel call (kernels/step.py): the queue, then the batch's trees into `out` and
+        """One kernel call (drafter.cpp `propose`): the queue, then the batch's trees into `out` and
         `out_p`. Its input is one int64 array.array, made in one conversion (~0.25 µs; numpy's
         ~0.45 µs), which refuses what is not an int (np.fromiter truncated 1.5 to 1)."""
         trie, queue = self._trie, self._queue
@@ -323,18 +306,12 @@ class NgramDrafter:
             g = self._new_globals(layout)
         g = g.table
         num = len(batch) // 2
-        # Threads only pay off with a few requests each (a parallel region costs ~1.5 µs); a slot
+        # Threads only pay off with a few requests each (starting one costs ~20 µs); a slot
         # named twice (a caller's bug) would be built by two threads at once.
-        if self._threads > 1 and num >= 4 * self._threads and len(set(batch[::2])) == num:
-            # As a numpy array: numba's parallel passes cannot read an array.array's shape.
-            failed = step.propose_parallel(np.frombuffer(io, np.int64), len(queue), out, out_p,
-                                           g, self._min_path_prob)
-        else:
-            kernel = self._kernel  # undispatched: every argument is made as above
-            if kernel is None:
-                kernel = self._kernel = step.direct(step.propose, io, len(queue), out, out_p,
-                                                    g, self._min_path_prob)
-            failed = kernel(io, len(queue), out, out_p, g, self._min_path_prob)
+        parallel = (self._threads > 1 and num >= 4 * self._threads
+                    and len(set(batch[::2])) == num)
+        failed = self._native.propose(io, len(queue), out, out_p, g, self._min_path_prob,
+                                      parallel)
         if failed:
             self._failed(failed)
         self._queue, self._queued_positions = [], 0
@@ -404,9 +381,8 @@ class NgramDrafter:
     def request_gains(self, request_id: str) -> dict[str, float]:
         """The request's acceptance gain per source (calibration.py), as its next tree uses."""
         self._flush()
-        gains = bk.request_gains(self._requests[request_id].floats[-GAIN_FLOATS:],
-                                 self.calibrator.settings)
-        return {name: gains[s] for s, name in SOURCE_NAMES.items()}
+        sums = self._requests[request_id].floats[-GAIN_FLOATS:].tolist()
+        return {name: self.calibrator.request_gain(sums, s) for s, name in SOURCE_NAMES.items()}
 
     def stats(self) -> dict:
         """Drafted/accepted nodes per winning source, calibration tables, trie size."""
@@ -425,16 +401,8 @@ class NgramDrafter:
         }
 
 
-class _NoBank:
-    """The corpus tables of no corpus."""
-
-    states = np.zeros((1, 4), np.int32)  # the sentinel row only
-    trans = np.zeros((0, 2), np.int32)
-    edges = np.zeros((0, 4), np.int32)
-    roots = np.zeros(0, np.int64)
-
-
-_NO_BANK = _NoBank()
+_NO_TREES = np.empty((0, 1), np.int64)  # the output of a call that builds no tree
+_NO_PROBS = np.empty((0, 1), np.float64)
 
 
 def _key(sams: dict[str, SuffixAutomaton]) -> tuple:
@@ -463,65 +431,3 @@ def _int32s(tokens: list) -> bool:
         return all(-(2**31) <= operator.index(t) < 2**31 for t in tokens)
     except TypeError:
         return False
-
-
-@functools.cache
-def warm_up_parallel() -> None:
-    """Load (or compile, with progress) the threaded build kernel."""
-    with build_progress("the drafter's threaded kernel", "drafter-threads", _BUILD_DEFAULT_S,
-                        enabled=not compiled_on_disk("step.propose_parallel"),
-                        cached_in=cache_location()):
-        _warm_up_parallel()
-
-
-def _warm_up_parallel() -> None:
-    drafter = NgramDrafter(DrafterConfig(capacity=40, max_trie_depth=4, draft_token_num=4,
-                                         draft_threads=2), warm=False)
-    ids = [f"warm{i}" for i in range(8)]
-    for rid in ids:
-        drafter.start(rid, [1, 2, 3, 1, 2])
-    drafter.propose(ids, [3] * len(ids))
-
-
-@functools.cache
-def warm_up() -> None:
-    """Load (or compile, with progress on stderr) every kernel once per process, outside any
-    timed step."""
-    with build_progress("the drafter's kernels", "drafter", _BUILD_DEFAULT_S,
-                        enabled=not compiled_on_disk(), cached_in=cache_location()):
-        _warm_up()
-
-
-def _warm_up() -> None:
-    from ngramspec.drafting.kernels import context as cx
-    from ngramspec.drafting.kernels import trie_bulk as tb
-
-    class _Corpora:
-        def __init__(self) -> None:
-            sam = SuffixAutomaton()
-            sam.add_document([1, 2, 3, 1, 2, 4])
-            sam.finalize()
-            self.sams = {"a": sam}
-
-        def snapshot(self) -> dict[str, SuffixAutomaton]:
-            return dict(self.sams)
-
-    cfg = DrafterConfig(capacity=40, max_trie_depth=4, draft_token_num=4)
-    corpora = _Corpora()
-    drafter = NgramDrafter(cfg, warm=False)
-    with_corpora = NgramDrafter(cfg, corpora, warm=False)
-    for d in (drafter, with_corpora):
-        d.start("warm", [1, 2, 3, 1, 2], references=[[1, 2, 4]])
-        for i in range(12):  # enough to fill the capacity and evict
-            if i == 6:  # two corpora: a new bank
-                corpora.sams = {"a": corpora.sams["a"], "b": corpora.sams["a"]}
-            (tree,) = d.propose(["warm"], [3])
-            d.commit("warm", [tree.token_ids[-1], i % 5])
-    trie = drafter.trie
-    trie.children(0, 2)
-    trie.lookup([1, 2])
-    NgramTrie.from_arrays(*trie.to_arrays())
-    tb.rehash(trie.cols, trie.edges.copy(), trie.runs.copy(), trie.num_nodes)
-    ctx = drafter._requests["warm"].context
-    ctx.anchors(2)
-    cx.rehash(ctx.table, np.zeros_like(ctx.table))

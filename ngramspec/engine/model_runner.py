@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from ngramspec.engine.cuda_graphs import GraphLimits, StepGraphs
-from ngramspec.engine.step_inputs import FlatStep, ForwardItem, flatten, warm_up
+from ngramspec.drafting.kernels import native
+from ngramspec.engine.step_inputs import FlatStep, ForwardItem, flatten
 from ngramspec.kernels import cpu_kernels, kernels_available
 from ngramspec.layers.attention import (
     AttentionGroup,
@@ -50,7 +51,7 @@ class ModelRunner:
         # The CPU and Triton kernels read K/V in place from PagedMetadata; SDPA needs groups.
         self.paged = self.attention != "sdpa"
         if self.paged:
-            warm_up()  # the tree-list kernel, outside any timed step
+            native()  # the tree-list kernel, built (once per machine) outside any timed step
         self.model = self._build(state, gguf_weights)
         kv_dtype = kv_dtype or dtype
         if kv_dtype != dtype and not self.paged:

@@ -3,13 +3,11 @@ lists the model and the paged attention kernels read (FlatStep), on the host."""
 
 from __future__ import annotations
 
-import functools
 import itertools
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
-
+from ngramspec.drafting.kernels import native
 from ngramspec.drafting.tree import ancestor_mask
 from ngramspec.engine.kv_cache import SlotList
 
@@ -121,51 +119,17 @@ def flatten(items: list[ForwardItem], paged: bool = True) -> FlatStep:
                     max((len(it.token_ids) for it in items), default=1))
 
 
-@njit(cache=True)
 def tree_lists(parents: np.ndarray, tree_starts: np.ndarray, seq_offsets: np.ndarray,
                slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Every token's visible query-token slots, concatenated, and their offsets ([T + 1]): a tree
     token's list is its parent's, then its own slot; a token of an item that is not a tree has
     none. Item b's tokens are seq_offsets[b] .. seq_offsets[b + 1] - 1 ([B + 1]); a tree's
     parents are parents[tree_starts[b]:] (-1 for the root, else an index within the tree before
-    the node's own), tree_starts[b] -1 for other items. Compiled, and arrays out: a Python loop
-    over a large batch's nodes, and its lists' conversion to tensors, cost a visible share of a
-    step."""
-    num = slots.shape[0]
-    offsets = np.zeros(num + 1, np.int64)
-    for b in range(seq_offsets.shape[0] - 1):  # each list's length: its depth + 1
-        first, start = seq_offsets[b], tree_starts[b]
-        for t in range(first, seq_offsets[b + 1]):
-            length = 0
-            if start >= 0:
-                parent = parents[start + t - first]
-                if parent == -1:
-                    length = 1
-                elif parent < -1:
-                    raise ValueError("a tree node's parent must be -1 (the root) or a node index")
-                elif parent >= t - first:
-                    raise ValueError("a tree node's parent must come before it")
-                else:
-                    length = offsets[first + parent + 1] - offsets[first + parent] + 1
-            offsets[t + 1] = offsets[t] + length
-    local = np.empty(offsets[num], np.int64)
-    for b in range(seq_offsets.shape[0] - 1):
-        first, start = seq_offsets[b], tree_starts[b]
-        if start < 0:
-            continue
-        for t in range(first, seq_offsets[b + 1]):
-            lo, hi = offsets[t], offsets[t + 1]
-            parent = parents[start + t - first]
-            if parent >= 0:
-                local[lo:hi - 1] = local[offsets[first + parent]:offsets[first + parent + 1]]
-            local[hi - 1] = slots[t]
-    return local, offsets
-
-
-@functools.cache
-def warm_up() -> None:
-    """Load (or compile: ~3 s the first time) `tree_lists` once per process."""
-    tree_lists(np.array([-1, 0]), np.array([0, -1]), np.array([0, 2, 3]), np.array([5, 6, 7]))
+    the node's own), tree_starts[b] -1 for other items. Native (drafting/kernels/drafter.cpp):
+    a Python loop over a large batch's nodes costs a visible share of a step."""
+    offsets = np.empty(slots.shape[0] + 1, np.int64)
+    local = native().tree_lists(parents, tree_starts, seq_offsets, slots, offsets)
+    return np.frombuffer(local, np.int64), offsets
 
 
 def _mask_lists(items: list[ForwardItem]) -> tuple[np.ndarray, np.ndarray]:

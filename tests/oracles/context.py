@@ -9,8 +9,8 @@ positions of their earlier occurrences; the drafter grows a tree of all their co
 (replay_findings lesson 2). Windows never contain a separator, so matches and continuations stay
 inside one document.
 
-NOTE: windows are compared by a polynomial hash mod 2**64 (wrapping uint64 arithmetic, so the numba
-index in drafting/kernels/context.py computes the very same values); a collision (~5e-20 per pair; windows
+NOTE: windows are compared by a polynomial hash mod 2**64 (wrapping uint64 arithmetic, so the native
+index in drafting/kernels/drafter.cpp computes the very same values); a collision (~5e-20 per pair; windows
 are at most max_match tokens, far too short for the Thue-Morse weakness of mod-2**64 hashing) would
 only cost a rejected draft, never a wrong output.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 from array import array
 
 from ngramspec.drafting.index.sam import SEPARATOR
-from ngramspec.drafting.kernels.context import HASH_BASE
+from ngramspec.drafting.kernels.layout import HASH_BASE
 
 HASH_MASK = (1 << 64) - 1
 

@@ -2,7 +2,7 @@
 
 For every window length m <= max_match it finds the earlier occurrences of the suffix that ends
 at the newest token, so a request can copy from its own prompt from the first decode step. The
-arrays live here and the numba kernels (drafting/kernels/context.py) read and grow them in place:
+arrays live here and the native kernels (drafting/kernels/drafter.cpp `Context`) read and grow them in place:
 `tok` (tokens), `hashes` (the hashes of the windows ending at the last token), one
 open-addressing table (window hash, length) -> (latest end, occurrences) of 16-byte records, and
 `prev`, the chain of earlier ends per window. `anchors()` lists matched suffix lengths longest first with their
@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from ngramspec.drafting.index.sam import SEPARATOR
-from ngramspec.drafting.kernels import context as cx
-from ngramspec.drafting.kernels import hashtab as ht
+from ngramspec.drafting.kernels import layout as lay
+from ngramspec.drafting.kernels import native
 
 
 class ContextIndex:
@@ -31,11 +31,11 @@ class ContextIndex:
                              "max_match <= 127")
         self.max_match = max_match
         self.max_occurrences = max_occurrences
-        self.st = np.zeros(cx.SUFFIX_COUNTS + max_match, np.int64)
+        self.st = np.zeros(lay.SUFFIX_COUNTS + max_match, np.int64)
         self.hashes = np.zeros(max_match, np.uint64)
         self.tok = np.zeros(256, np.int32)
         self.prev = np.zeros(256 * max_match, np.int32)
-        self.table = np.zeros((ht.table_size(1024), 2), np.uint64)  # kernels/context.py
+        self.table = np.zeros((lay.table_size(1024), 2), np.uint64)  # drafter.cpp Context
         # Python-side mirrors for the growth checks of `reserve` (numpy scalar reads are slow),
         # as of its last full check; `_room` of the `_granted` tokens that check found room for
         # are left (so the tokens reserved are _num + _granted - _room).
@@ -44,12 +44,12 @@ class ContextIndex:
         self._room = self._granted = 0
 
     def __len__(self) -> int:
-        return int(self.st[cx.NUM])
+        return int(self.st[lay.C_NUM])
 
     @property
     def tokens(self) -> np.ndarray:
         """A view of the tokens so far (valid until the next extend)."""
-        return self.tok[: self.st[cx.NUM]]
+        return self.tok[: self.st[lay.C_NUM]]
 
     def add_document(self, tokens: list[int]) -> None:
         self.extend(tokens)
@@ -58,11 +58,11 @@ class ContextIndex:
     def extend(self, tokens: list[int] | np.ndarray) -> None:
         new = np.asarray(tokens, dtype=np.int32)
         self.reserve(len(new))
-        cx.append(self.tok, self.prev, self.hashes, self.table, self.st, new)
+        native().context_append(self.tok, self.prev, self.hashes, self.table, self.st, new)
 
     def reserve(self, count: int) -> bool:
         """Room for `count` more tokens; the caller then appends exactly `count` tokens, maybe
-        later (the drafter queues its appends: kernels/step.py). True when the arrays were
+        later (the drafter queues its appends: kernels/drafter.cpp `propose`). True when the arrays were
         replaced (their holders must take the new ones)."""
         if count <= self._room:  # within what the last check found: ~0.1 µs less a commit
             self._room -= count
@@ -88,39 +88,36 @@ class ContextIndex:
         if self._entries_bound * 4 <= len(self.table) * 3:
             return grew
         # Entries now, plus the most that every reserved but not yet appended token can add.
-        self._entries_bound = (int(self.st[cx.ENTRIES])
-                               + (self._num - int(self.st[cx.NUM])) * self.max_match)
+        self._entries_bound = (int(self.st[lay.ENTRIES])
+                               + (self._num - int(self.st[lay.C_NUM])) * self.max_match)
         if self._entries_bound * 4 > len(self.table) * 3:
-            table = np.zeros((ht.table_size(2 * self._entries_bound), 2), np.uint64)
-            cx.rehash(self.table, table)
+            table = np.zeros((lay.table_size(2 * self._entries_bound), 2), np.uint64)
+            native().context_rehash(self.table, table)
             self.table = table
             grew = True
         return grew
 
     def arrays(self) -> tuple[np.ndarray, ...]:
-        """tok, prev, hashes, table, st: what the kernels read (kernels/step.py)."""
+        """tok, prev, hashes, table, st: what the kernels read (kernels/layout.py F_*)."""
         return self.tok, self.prev, self.hashes, self.table, self.st
 
     def anchors(self, max_anchors: int) -> list[tuple[int, list[int]]]:
         """Same result as the reference (tests/oracles/context.py)."""
-        out = self._anchor_arrays(max_anchors)
-        found, _ = cx.anchors(self.prev, self.st, self.max_match, max_anchors,
-                              self.max_occurrences, *out, 0)
-        return _segments(found, *out)
+        return self._anchors(-1, max_anchors)
 
     def anchors_at(self, end: int, max_anchors: int) -> list[tuple[int, list[int]]]:
         """`anchors` of the suffix ending at position `end` (a wildcard match's), as the
         reference's; used by the tests."""
-        out = self._anchor_arrays(max_anchors)
-        found, _ = cx.anchors_at(self.tokens, self.prev, end, self.max_match, max_anchors,
-                                 self.max_occurrences, *out, 0)
-        return _segments(found, *out)
+        return self._anchors(end, max_anchors) if end >= 0 else []
 
-    def _anchor_arrays(self, max_anchors: int) -> tuple[np.ndarray, ...]:
-        """The kernels' outputs: lengths, pool starts, counts [max_anchors] and the pool."""
+    def _anchors(self, end: int, max_anchors: int) -> list[tuple[int, list[int]]]:
+        """The kernel's anchors of the suffix ending at `end` (-1: the newest token's)."""
         k = max(1, max_anchors)
-        return (np.zeros(k, np.int64), np.zeros(k, np.int64), np.zeros(k, np.int64),
-                np.zeros(k * self.max_occurrences, np.int64))
+        out = (np.zeros(k, np.int64), np.zeros(k, np.int64), np.zeros(k, np.int64),
+               np.zeros(k * self.max_occurrences, np.int64))
+        found = native().context_anchors(self.tok, self.prev, self.st, end, self.max_match,
+                                         max_anchors, self.max_occurrences, *out)
+        return _segments(found, *out)
 
     def continuations(self, ends: list[int], offset: int) -> dict[int, list[int]]:
         """Same result as the reference (tests/oracles/context.py); used by the lockstep tests."""

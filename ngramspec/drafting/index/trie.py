@@ -1,4 +1,4 @@
-"""NgramTrie: the global n-gram trie, on numpy columns and numba kernels (drafting/kernels/trie.py).
+"""NgramTrie: the global n-gram trie, on numpy columns and native kernels (drafting/kernels/drafter.cpp `Trie`).
 
 Same semantics as tests/oracles/trie.py `ReferenceTrie` (count-once O(D) insertion, children sorted by count with the same
 swap-on-increment tie-breaking, leaf-only LRU eviction that never touches the nodes a request is
@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ngramspec.drafting.kernels import hashtab as ht
-from ngramspec.drafting.kernels import trie as tk
-from ngramspec.drafting.kernels import trie_bulk as tb
+from ngramspec.drafting.kernels import layout as tk
+from ngramspec.drafting.kernels import native
 
 FORMAT_VERSION = 1  # of the persisted trie (to_arrays/from_arrays)
 
@@ -48,10 +47,10 @@ class NgramTrie:
         self._clear(min(capacity, _INITIAL_NODES))
 
     def _clear(self, allocated: int) -> None:
-        self.cols = np.full((allocated, tk.NUM_COLS), -1, np.int32)
-        self.cols[tk.ROOT, tk.TOK], self.cols[tk.ROOT, tk.CNT] = tk.SEPARATOR, 0
-        self.cols[tk.ROOT, tk.VER] = 0
-        size = ht.table_size(allocated)
+        self.cols = np.full((allocated, tk.TRIE_COLS), -1, np.int32)
+        self.cols[tk.TRIE_ROOT, tk.TOK], self.cols[tk.TRIE_ROOT, tk.CNT] = tk.SEPARATOR, 0
+        self.cols[tk.TRIE_ROOT, tk.VER] = 0
+        size = tk.table_size(allocated)
         self.edges = np.full(size, -1, np.int32)
         self.runs = np.full(size, -1, np.int32)
         self.meta = np.array([1, -1, -1, 0, self.capacity, self.max_depth, 0, 0], np.int64)
@@ -67,7 +66,7 @@ class NgramTrie:
 
     @property
     def num_nodes(self) -> int:
-        return int(self.meta[tk.NUM])
+        return int(self.meta[tk.T_NUM])
 
     @property
     def num_evicted(self) -> int:
@@ -80,6 +79,10 @@ class NgramTrie:
         """Bytes held per allocated node slot (columns plus both hash tables)."""
         return self.nbytes() / self.cols.shape[0]
 
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        """cols, edges, runs, meta: what the kernels read (drafter.cpp `Trie`)."""
+        return self.cols, self.edges, self.runs, self.meta
+
     # ----------------------------------------------------------------- reads
 
     def count(self, node: int) -> int:
@@ -89,19 +92,24 @@ class NgramTrie:
         return int(self.cols[node, tk.TOK])
 
     def child(self, node: int, token: int) -> int:
-        return int(tk.child_of(self.cols, self.edges, node, token))
+        return int(native().trie_child(*self._arrays(), node, token))
 
     def children(self, node: int, limit: int | None = None) -> list[tuple[int, int, int]]:
         """(token, child, count), most frequent first."""
-        rows = tb.children(self.cols, node, self.capacity if limit is None else limit)
-        return [tuple(r) for r in rows.tolist()]
+        limit = self.capacity if limit is None else limit
+        cols, out = self.cols, []
+        child = int(cols[node, tk.FIRST])
+        while child != -1 and len(out) < limit:
+            out.append((int(cols[child, tk.TOK]), child, int(cols[child, tk.CNT])))
+            child = int(cols[child, tk.NEXT])
+        return out
 
     def has_children(self, node: int) -> bool:
         return bool(self.cols[node, tk.FIRST] != -1)
 
     def lookup(self, tokens: list[int]) -> int:
         ctx = as_context(tokens)
-        return int(tk.lookup(self.cols, self.edges, ctx, 0, len(ctx)))
+        return int(native().trie_lookup(*self._arrays(), ctx, 0, len(ctx)))
 
     def anchors(self, state: TrieState, context: list[int] | np.ndarray,
                 length: int | None = None) -> list[tuple[int, int]]:
@@ -109,7 +117,7 @@ class NgramTrie:
         ctx = as_context(context)
         n = len(ctx) if length is None else length
         self.sync(state)
-        tk.refresh(self.cols, self.edges, self.meta, state.arr, ctx, n)
+        native().trie_refresh(*self._arrays(), state.arr, ctx, n)
         arr, first = state.arr, self.cols[:, tk.FIRST]
         return [(int(arr[1 + k]), k + 1) for k in range(int(arr[0]) - 1, -1, -1)
                 if arr[1 + k] >= 0 and first[arr[1 + k]] != -1]
@@ -131,10 +139,9 @@ class NgramTrie:
         if state.epoch != self.epoch:
             self.sync(state)
             if start > 0:
-                tk.refresh(self.cols, self.edges, self.meta, state.arr, ctx, start)
+                native().trie_refresh(*self._arrays(), state.arr, ctx, start)
         self.reserve((end - start) * self.max_depth)
-        work = np.empty(2 * self.max_depth, np.int64)
-        if tk.extend(self.cols, self.edges, self.runs, self.meta, state.arr, ctx, start, end, work):
+        if native().trie_extend(*self._arrays(), state.arr, ctx, start, end):
             raise RuntimeError("trie columns were not grown before extend (bug)")
 
     def reserve(self, new_nodes: int) -> None:
@@ -151,21 +158,24 @@ class NgramTrie:
             self._room = allocated - need
             return
         grown = min(self.capacity, max(2 * allocated, need))
-        cols = np.full((grown, tk.NUM_COLS), -1, np.int32)
+        cols = np.full((grown, tk.TRIE_COLS), -1, np.int32)
         cols[:allocated] = self.cols
         self.cols = cols
-        size = ht.table_size(grown)
+        size = tk.table_size(grown)
         if size > len(self.edges):
             self.edges = np.full(size, -1, np.int32)
             self.runs = np.full(size, -1, np.int32)
-            tb.rehash(self.cols, self.edges, self.runs, self.num_nodes)
+            native().trie_rehash(*self._arrays(), self.num_nodes)
         self._room = grown - need
 
     # ----------------------------------------------------------------- persistence
 
     def to_arrays(self) -> tuple[dict, dict[str, np.ndarray]]:
         """The same arrays and meta as ReferenceTrie.to_arrays (BFS order, leaf LRU)."""
-        order, index, lru = tb.bfs_order(self.cols, self.meta)
+        num = self.num_nodes
+        order, index, lru = (np.empty(num, np.int64) for _ in range(3))
+        size, lru_size = native().trie_bfs_order(*self._arrays(), order, index, lru)
+        order, lru = order[:size], lru[:lru_size]
         parents = self.cols[order, tk.PAR].astype(np.int64)
         parents[1:] = index[parents[1:]]
         arrays = {
@@ -182,11 +192,11 @@ class NgramTrie:
         trie = cls(int(meta["capacity"]), int(meta["max_depth"]))
         num = len(arrays["token"])
         trie._clear(max(num, min(trie.capacity, _INITIAL_NODES)))
-        bad = tb.restore(trie.cols, trie.edges, trie.runs, trie.meta,
-                         np.asarray(arrays["token"], np.int64),
-                         np.asarray(arrays["parent"], np.int64),
-                         np.asarray(arrays["count"], np.int64),
-                         np.asarray(arrays["lru"], np.int64))
+        bad = native().trie_restore(*trie._arrays(),
+                                    np.ascontiguousarray(arrays["token"], np.int64),
+                                    np.ascontiguousarray(arrays["parent"], np.int64),
+                                    np.ascontiguousarray(arrays["count"], np.int64),
+                                    np.ascontiguousarray(arrays["lru"], np.int64))
         if bad:
             raise ValueError(f"trie arrays are invalid at entry {bad} (parents must come first, "
                              "children in count order, counts >= 1, lru entries live)")

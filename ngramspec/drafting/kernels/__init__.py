@@ -1,86 +1,95 @@
-"""numba kernels of the n-gram drafter: the indexes' hot loops, the tree build and the commit.
+"""The drafter's native kernels: drafter.cpp, a CPython extension without torch, built once.
 
-drafting/index/ owns the arrays and drafting/drafter.py composes the kernels; the pure-Python
-references in tests/oracles/ give identical results (the lockstep property tests).
-
-Inlining: a call between numba functions passes every array argument as its ~10-word struct,
-and the build and commit helpers take up to 20 arrays, so the calls cost more than the work. The
-hot path is therefore `inline="always"` down to its leaves, into few compiled roots:
-`step.build_block` (the trees) and `step.propose` with its threaded twin (the commits, then
-`build_block` per block of the batch). The price is a long first compile (minutes; cached on
-disk afterwards). Rarely run code (eviction, rehashing) stays a call.
+drafting/index/ and drafting/drafter.py own the arrays (layout.py says how they are laid out);
+drafter.cpp reads and writes them in place, one call per engine step. The first use on a machine
+compiles it with the system C++ compiler (`$CXX`, else g++; ~20 s on 2 cores, with progress on
+stderr) into `<ngramspec cache>/drafter/<key>`, the key hashing the source, the flags, the
+compiler and the Python ABI, so checkouts and interpreters never load each other's build. Two
+processes building at once each write their own temporary file and rename it into place.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.machinery
+import importlib.util
 import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
 from pathlib import Path
+from types import ModuleType
+
+from ngramspec.drafting.kernels.layout import check_layout
+from ngramspec.progress import build_progress, cache_root
+
+_SOURCE = Path(__file__).with_name("drafter.cpp")
+_NAME = "ngramspec_drafter"
+# -ffp-contract=off: the trees' floats must be the pure-Python reference's, operation by
+# operation (a fused multiply-add rounds once where the reference rounds twice).
+_FLAGS = ["-O2", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off",
+          "-fvisibility=hidden"]
+_BUILD_DEFAULT_S = 30.0  # the progress estimate before this machine has built it once
 
 
-def drop_stale_kernel_cache(package_dir: Path = Path(__file__).parent,
-                            numba_cache_dir: str | None = None) -> None:
-    """Delete numba's on-disk cache of these kernels when any module of this package changed.
-
-    numba (`cache=True`) checks only the file that defines a kernel, so a kernel that calls an
-    edited kernel of another module would load stale machine code. One stamp of every source
-    here guards them all, in each place numba may keep the cache: `__pycache__` beside the
-    sources, and the folder for this package under NUMBA_CACHE_DIR when that is set (numba's
-    default `numba_cache_dir`). Runs at package import, before any kernel loads its cache.
-    """
-    digest = hashlib.sha256()
-    for source in sorted(package_dir.glob("*.py")):
-        digest.update(source.name.encode() + source.read_bytes())
-    if numba_cache_dir is None:
-        from numba.core import config
-
-        numba_cache_dir = config.CACHE_DIR
-    for cache in _cache_dirs(package_dir, numba_cache_dir):
-        _drop_if_stale(cache, digest.hexdigest())
+class DrafterBuildError(RuntimeError):
+    """The drafter's native kernels could not be compiled or loaded on this machine."""
 
 
-def _cache_dirs(package_dir: Path, numba_cache_dir: str) -> list[Path]:
-    """`__pycache__`, and under NUMBA_CACHE_DIR the folder numba's user-provided cache locator
-    names "<folder name>_<sha1 of the folder's absolute path>" (numba.core.caching
-    `_CacheLocator.get_suitable_cache_subpath`)."""
-    dirs = [package_dir / "__pycache__"]
-    if numba_cache_dir:
-        folder = os.path.abspath(package_dir)
-        name = f"{os.path.basename(folder)}_{hashlib.sha1(folder.encode()).hexdigest()}"
-        dirs.append(Path(numba_cache_dir) / name)
-    return dirs
+def _compiler() -> str:
+    return os.environ.get("CXX", "g++")
 
 
-def _drop_if_stale(cache: Path, stamp_text: str) -> None:
-    stamp = cache / "kernels.stamp"
+def _compiler_version(cxx: str) -> str:
     try:
-        if stamp.read_text() == stamp_text:
-            return
-    except OSError:
-        pass
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True,
+                              check=True).stdout.splitlines()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError) as e:
+        raise DrafterBuildError(f"no C++ compiler: {cxx!r} failed ({e}); install g++ or set "
+                                "CXX") from e
+
+
+def library_path() -> Path:
+    """Where this source's build for this interpreter lives (built or not)."""
+    cxx = _compiler()
+    key = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), _compiler_version(cxx).encode(),
+                 sysconfig.get_config_var("EXT_SUFFIX").encode(), sys.version.encode()):
+        key.update(part + b"\0")
+    folder = cache_root() / "drafter" / key.hexdigest()[:16]
+    return folder / f"{_NAME}{sysconfig.get_config_var('EXT_SUFFIX')}"
+
+
+def _compile(target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [_compiler(), *_FLAGS, f"-I{sysconfig.get_paths()['include']}", str(_SOURCE),
+           "-o", tmp]
     try:
-        cache.mkdir(parents=True, exist_ok=True)
-        for path in list(cache.glob("*.nbi")) + list(cache.glob("*.nbc")):
-            path.unlink(missing_ok=True)
-        stamp.write_text(stamp_text)
-    except OSError:
-        pass  # read-only: numba then cannot cache here either
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise DrafterBuildError(f"compiling {_SOURCE.name} failed:\n{' '.join(cmd)}\n"
+                                    f"{done.stderr[-4000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
-def cache_location(package_dir: Path = Path(__file__).parent) -> Path:
-    """Where numba keeps these kernels' machine code (the last place it looks first)."""
-    from numba.core import config
-
-    return _cache_dirs(package_dir, config.CACHE_DIR)[-1]
-
-
-def compiled_on_disk(kernel: str = "step.propose", package_dir: Path = Path(__file__).parent) -> bool:
-    """Whether numba's disk cache holds `kernel` (module.function), i.e. loading it will not
-    compile; the build progress is shown only when it will."""
-    from numba.core import config
-
-    return any(any(cache.glob(f"{kernel}-*.nbc"))
-               for cache in _cache_dirs(package_dir, config.CACHE_DIR))
-
-
-drop_stale_kernel_cache()
+@functools.cache
+def native() -> ModuleType:
+    """The compiled module (built here first when this machine has no build of this source)."""
+    target = library_path()
+    if not target.exists():
+        with build_progress("the drafter's kernels", "drafter", _BUILD_DEFAULT_S,
+                            cached_in=target.parent):
+            _compile(target)
+    loader = importlib.machinery.ExtensionFileLoader(_NAME, str(target))
+    spec = importlib.util.spec_from_file_location(_NAME, target, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    check_layout(module.layout())
+    return module
