@@ -18,6 +18,7 @@ from ngramspec.drafting.drafter import NgramDrafter
 from ngramspec.drafting.index.context import ContextIndex
 from ngramspec.drafting.index.sam import SuffixAutomaton
 from ngramspec.drafting.index.trie import NgramTrie
+from ngramspec.drafting.kernels import layout
 from ngramspec.drafting.tree import DraftTree
 
 small_tokens = st.lists(st.integers(0, 5), min_size=1, max_size=20)
@@ -302,30 +303,35 @@ def test_a_trie_of_another_depth_is_refused() -> None:
 
 
 def test_the_step_kernel_refuses_wrong_arrays() -> None:
-    """It reads its arguments by address (drafter.cpp `take`, layout.py `Globals`): a strided
-    view would be read as if it were contiguous, and a queue of another item type as int64."""
-    from ngramspec.drafting.kernels import layout, native
-
+    """The native Drafter reads its arrays by address (drafter.cpp `take`): a strided view would
+    be read as if it were contiguous, a queue of another item type as int64, and a slot without
+    arrays would be read from nowhere. Each is refused by name, and the drafter still serves."""
     drafter = NgramDrafter(DrafterConfig())
     drafter.start("a", [1, 2, 3, 1, 2])
-    g = drafter._new_globals(drafter._layout).table
-    out, out_p = np.empty((1, 3 * drafter._nodes + 1), np.int64), np.empty((1, drafter._nodes))
-    io = array.array("q", [drafter._requests["a"].slot, 3])
-    assert native().propose(io, 0, out, out_p, g, 0.0, False) == 0
-    assert out[0, 3 * drafter._nodes] >= 1
+    drafter.propose(["a"], [3])  # hands the kernel its shared arrays
+    state, nodes, slot = drafter._state, drafter._nodes, drafter._requests["a"].slot
+    out, out_p = np.empty((1, 3 * nodes + 1), np.int64), np.empty((1, nodes))
+    io = array.array("q", [slot, 3])
+    assert state.propose(io, 0, out, out_p, 0.0, False) == 0
+    assert out[0, 3 * nodes] >= 1
     with pytest.raises(TypeError, match="io: expected a C-contiguous 1-d int64"):
-        native().propose(array.array("i", [0, 3]), 0, out, out_p, g, 0.0, False)
+        state.propose(array.array("i", [slot, 3]), 0, out, out_p, 0.0, False)
     with pytest.raises(TypeError, match="out: expected a writable C-contiguous"):
-        native().propose(io, 0, np.zeros((2, 2 * out.shape[1]), np.int64)[:, ::2], out_p, g,
-                         0.0, False)
+        state.propose(io, 0, np.zeros((2, 2 * out.shape[1]), np.int64)[:, ::2], out_p, 0.0,
+                      False)
     with pytest.raises(TypeError, match="out_p: expected a C-contiguous 2-d float64"):
-        native().propose(io, 0, out, out_p.astype(np.float32), g, 0.0, False)
+        state.propose(io, 0, out, out_p.astype(np.float32), 0.0, False)
     with pytest.raises(ValueError, match="output rows"):
-        native().propose(io, 0, out[:0], out_p, g, 0.0, False)
-    arrays = list(drafter._globals.arrays)
-    arrays[layout.G_COLS] = np.zeros((8, 18), np.int32)[:, ::2]
-    with pytest.raises(ValueError, match="global 10: expected a C-contiguous 2-d int32"):
-        layout.Globals(tuple(arrays))
+        state.propose(io, 0, out[:0], out_p, 0.0, False)
+    assert state.propose(array.array("q", [slot + 1, 3]), 0, out, out_p, 0.0, False) \
+        == layout.BAD_SLOT
+    arrays = list(drafter._requests["a"].arrays())
+    arrays[0] = np.zeros(2 * len(arrays[0]), np.int32)[::2]
+    with pytest.raises(TypeError, match="tok: expected a writable C-contiguous"):
+        state.set_request(slot, *arrays)
+    arrays[0] = arrays[0].astype(np.int64)
+    with pytest.raises(TypeError, match="tok: expected a C-contiguous 1-d int32"):
+        state.set_request(slot, *arrays)
     assert drafter.propose(["a"], [3])[0].token_ids[0] == 2  # still serving
 
 

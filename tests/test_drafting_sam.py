@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from ngramspec.drafting.index.sam import ROOT, SEPARATOR, SuffixAutomaton
 from ngramspec.drafting.kernels import layout as sk
 from ngramspec.drafting.kernels import native

@@ -65,14 +65,21 @@ def test_greedy_spec_equals_plain_with_threaded_drafting(llm, monkeypatch):
     from ngramspec.drafting.kernels import native
 
     calls = []
-    propose = native().propose
+    drafter_type = native().Drafter
 
-    def counted(*args):
-        if args[-1]:  # parallel
-            calls.append((len(args[0]) - args[1]) // 2)  # the batch: io after the queue
-        return propose(*args)
+    class Counted:  # the native Drafter, counting the batches it builds on threads
+        def __init__(self) -> None:
+            self.inner = drafter_type()
 
-    monkeypatch.setattr(native(), "propose", counted)
+        def propose(self, *args):
+            if args[-1]:  # parallel
+                calls.append((len(args[0]) - args[1]) // 2)  # the batch: io after the queue
+            return self.inner.propose(*args)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    monkeypatch.setattr(native(), "Drafter", Counted)
     prompts = spec_prompts()[:12]
     params = SamplingParams(temperature=0, max_tokens=48)
     plain = llm.generate([p for _, p, _ in prompts], params)

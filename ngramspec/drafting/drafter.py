@@ -38,7 +38,7 @@ from ngramspec.drafting.index.sam import SuffixAutomaton
 from ngramspec.drafting.index.trie import NgramTrie, TrieState
 from ngramspec.drafting.kernels import layout as bk
 from ngramspec.drafting.kernels import native
-from ngramspec.drafting.kernels.layout import CorpusBank, Globals, NoBank, RequestTable
+from ngramspec.drafting.kernels.layout import CorpusBank, NoBank
 from ngramspec.drafting.sources import NUM_SOURCES, SOURCE_NAMES
 from ngramspec.drafting.tree import DraftBatch
 
@@ -59,7 +59,7 @@ class _Layout:
 
 @dataclass(slots=True)
 class _Request:
-    slot: int  # its row in the RequestTable
+    slot: int  # its slot in the native Drafter
     context: ContextIndex  # references + separator + prompt + committed output
     trie_state: TrieState
     # The last built tree and its evidence (laid out as layout.request_sizes says), with
@@ -75,7 +75,7 @@ class _Request:
         return int(self.ints[bk.R_TRIE_START])
 
     def arrays(self) -> tuple[np.ndarray, ...]:
-        """Its arrays in RequestTable field order (layout.py F_*)."""
+        """Its arrays in `Drafter.set_request`'s order (kernels/drafter.cpp)."""
         return (*self.context.arrays(), self.trie_state.arr, self.ints, self.floats,
                 self.matches)
 
@@ -94,7 +94,10 @@ class NgramDrafter:
             config.calibrate, config.calibration_prior_weight,
             gain_prior=config.request_gain_prior, gain_decay=config.request_gain_decay)
         self._requests: dict[str, _Request] = {}
-        self._table = RequestTable()
+        # The kernels' view of every array: each request slot's and the shared ones.
+        self._state = self._native.Drafter()
+        self._free_slots: list[int] = []
+        self._num_slots = 0
         # Commits and prompt insertions wait here for the next kernel call (drafter.cpp):
         # each (slot, new tokens, trie start) followed by its tokens, and how many trie
         # positions they extend; slots of stopped requests are released once their operations
@@ -103,7 +106,7 @@ class NgramDrafter:
         self._queued_positions = 0
         self._releasing: list[int] = []
         self._queue_epoch = self._trie.epoch  # the trie's epoch when the first waiting op came
-        self._globals: Globals | None = None  # made for the arrays in use (_new_globals)
+        self._shared: tuple | None = None  # what the kernels hold (_set_shared)
         # Config values read on every step, kept as plain attributes (a request-step is a few
         # µs, so even property and method-call overheads show).
         self._nodes = config.num_draft_tokens + 1
@@ -131,7 +134,7 @@ class NgramDrafter:
         state = self._trie.new_state()
         if cfg.insert_prompt:  # else the first commit anchors the state on the prompt
             self._trie.sync(state)
-        req = _Request(self._table.take(), context, state, np.zeros(0, np.int64),
+        req = _Request(self._take_slot(), context, state, np.zeros(0, np.int64),
                        np.zeros(0, np.float64), np.zeros((0, 3), np.int64), self._layout)
         self._lay_out(req, self._layout, trie_start)
         self._requests[request_id] = req
@@ -148,10 +151,10 @@ class NgramDrafter:
             ctx = req.context
             self._trie.anchors(req.trie_state, ctx.tok[req.trie_start:],
                                len(ctx) - req.trie_start)
-            self._table.set(req.slot, req.arrays())
+            self._state.set_request(req.slot, *req.arrays())
         count = len(accepted_token_ids)
         if req.context.reserve(count):
-            self._table.set(req.slot, req.arrays())
+            self._state.set_request(req.slot, *req.arrays())
         queue = self._queue
         if not queue:
             self._queue_epoch = self._trie.epoch
@@ -166,16 +169,16 @@ class NgramDrafter:
         if self._queue:  # its queued operations still read its arrays
             self._releasing.append(req.slot)
         else:
-            self._table.release(req.slot)
+            self._release(req.slot)
 
     def reset(self) -> None:
         """Clear the trie, calibration and all request states; external corpora are kept."""
         self._trie.reset()
         self.calibrator.reset()
         for req in self._requests.values():
-            self._table.release(req.slot)
+            self._release(req.slot)
         for slot in self._releasing:
-            self._table.release(slot)
+            self._release(slot)
         self._requests.clear()
         self._queue, self._queued_positions, self._releasing = [], 0, []
         self._counts[:] = 0
@@ -196,17 +199,26 @@ class NgramDrafter:
 
     # ----------------------------------------------------------------- the queue
 
-    def _new_globals(self, layout: _Layout) -> Globals:
-        """The kernels' table of the shared arrays (layout.py `Globals`), made anew when
-        the trie grew or was replaced, the calibration was reset, the request table grew or the
-        corpora changed (each replaces an array that `_run` checks)."""
-        trie, cal, table = self._trie, self.calibrator, self._table
+    def _take_slot(self) -> int:
+        if self._free_slots:
+            return self._free_slots.pop()
+        self._num_slots += 1
+        return self._num_slots - 1
+
+    def _release(self, slot: int) -> None:
+        self._state.release(slot)
+        self._free_slots.append(slot)
+
+    def _set_shared(self, layout: _Layout) -> None:
+        """Hand the kernels the shared arrays, again whenever the trie grew or was replaced,
+        the calibration was reset or the corpora changed (each replaces an array that `_run`
+        checks)."""
+        trie, cal = self._trie, self.calibrator
         bank, s = layout.bank or NoBank, layout.scratch
-        self._globals = Globals((
-            table.addr, table.size, layout.params, cal.cal, cal.settings, self._counts,
-            s.ints, s.floats, s.work, s.counts, trie.cols, trie.edges, trie.runs, trie.meta,
-            bank.states, bank.trans, bank.edges, bank.roots))
-        return self._globals
+        self._state.set_shared(layout.params, cal.cal, cal.settings, self._counts, s.ints,
+                               s.floats, s.work, s.counts, trie.cols, trie.edges, trie.runs,
+                               trie.meta, bank.states, bank.trans, bank.edges, bank.roots)
+        self._shared = (trie.cols, cal.cal, layout.params)
 
     def _drop_bad_commits(self) -> None:
         """Take the commits whose tokens are not int32 token ids out of the queue (a caller's
@@ -232,6 +244,9 @@ class NgramDrafter:
         """Raise for a kernel's failure code (layout.py)."""
         if failed == bk.BAD_TOKENS:  # nothing ran
             self._drop_bad_commits()  # raises, naming them; the rest of the queue stays
+        if failed == bk.BAD_SLOT:  # nothing ran
+            raise RuntimeError("the drafter kernel was given a request slot without its arrays "
+                               "(bug)")
         raise RuntimeError("trie columns were not grown before extend (bug)")
 
     def flush(self) -> None:
@@ -282,7 +297,7 @@ class NgramDrafter:
             self._lay_out(req, layout, req.trie_start)
         if budget > 0 and req.trie_state.epoch != self._trie.epoch:
             self._trie.sync(req.trie_state)
-            self._table.set(req.slot, req.arrays())
+            self._state.set_request(req.slot, *req.arrays())
 
     def _run(self, batch: list[int], layout: _Layout, out: np.ndarray,
              out_p: np.ndarray) -> None:
@@ -300,24 +315,22 @@ class NgramDrafter:
             self._drop_bad_commits()  # raises, naming them; the rest of the queue stays
         # Counted again if the queue does not run now (bad tokens): that only grows it sooner.
         trie.reserve(self._queued_positions * self._depth)
-        g = self._globals  # checked here, not in a method: ~0.1 µs a step
-        if (g is None or g.cols is not trie.cols or g.cal is not self.calibrator.cal
-                or g.addr is not self._table.addr or g.params is not layout.params):
-            g = self._new_globals(layout)
-        g = g.table
+        shared = self._shared
+        if (shared is None or shared[0] is not trie.cols or shared[1] is not self.calibrator.cal
+                or shared[2] is not layout.params):
+            self._set_shared(layout)
         num = len(batch) // 2
         # Threads only pay off with a few requests each (starting one costs ~20 µs); a slot
         # named twice (a caller's bug) would be built by two threads at once.
         parallel = (self._threads > 1 and num >= 4 * self._threads
                     and len(set(batch[::2])) == num)
-        failed = self._native.propose(io, len(queue), out, out_p, g, self._min_path_prob,
-                                      parallel)
+        failed = self._state.propose(io, len(queue), out, out_p, self._min_path_prob, parallel)
         if failed:
             self._failed(failed)
         self._queue, self._queued_positions = [], 0
         if self._releasing:  # rare (a request stopped with operations queued)
             for slot in self._releasing:
-                self._table.release(slot)
+                self._release(slot)
             self._releasing = []
 
     def _resync(self) -> None:
@@ -328,7 +341,7 @@ class NgramDrafter:
         for req in self._requests.values():
             if req.trie_state.epoch != trie.epoch:
                 trie.sync(req.trie_state)
-                self._table.set(req.slot, req.arrays())
+                self._state.set_request(req.slot, *req.arrays())
 
     def _current_layout(self) -> _Layout:
         """The layout of the corpora in use now (a new one when the snapshot changed)."""
@@ -374,7 +387,7 @@ class NgramDrafter:
         req.floats = floats
         req.ints[bk.R_TRIE_START], req.ints[bk.R_EVIDENCE] = trie_start, evidence
         req.matches, req.layout = _matches(layout), layout
-        self._table.set(req.slot, req.arrays())
+        self._state.set_request(req.slot, *req.arrays())
 
     # ----------------------------------------------------------------- reading
 

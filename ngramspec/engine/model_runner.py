@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
-from ngramspec.engine.cuda_graphs import GraphLimits, StepGraphs
 from ngramspec.drafting.kernels import native
+from ngramspec.engine.cuda_graphs import GraphLimits, StepGraphs
 from ngramspec.engine.step_inputs import FlatStep, ForwardItem, flatten
 from ngramspec.kernels import cpu_kernels, kernels_available
 from ngramspec.layers.attention import (

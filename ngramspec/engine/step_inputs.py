@@ -7,6 +7,7 @@ import itertools
 from dataclasses import dataclass
 
 import numpy as np
+
 from ngramspec.drafting.kernels import native
 from ngramspec.drafting.tree import ancestor_mask
 from ngramspec.engine.kv_cache import SlotList

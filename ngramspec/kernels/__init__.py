@@ -52,8 +52,8 @@ ISA_TIERS: dict[str, tuple[list[str], set[str]]] = {
     "scalar": (["-march=x86-64", "-mtune=native"], set()),
 }
 _LDFLAGS = ["-fopenmp"]  # the soname resolves to torch's libgomp
-_BUILD_DEFAULT_S = 150.0  # the progress estimate before this machine has built once
-_LOCK_TIMEOUT_S = 1800.0  # far beyond a build (~1-2 min on 2 cores): only a stuck builder waits this long
+_BUILD_DEFAULT_S = 60.0  # the progress estimate before this machine has built once
+_LOCK_TIMEOUT_S = 1800.0  # far beyond a build (under a minute on 2 cores): only a stuck builder waits this long
 # A build directory nobody loaded for this long (other revisions' sources, an old torch) is
 # removed by the next load of another: each is ~1 MB of objects, and every edit makes a new one.
 _STALE_AFTER_S = 14 * 24 * 3600.0

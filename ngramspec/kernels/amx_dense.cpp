@@ -10,7 +10,7 @@
 // Layout (amx_pack_bf16, once at load): per tile of 16 outputs and block of 32 inputs, 16 rows r
 // holding inputs (2r, 2r + 1) of every output: the pair-interleaved order of a TDPBF16PS B tile.
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 
 #include "amx_tiles.h"
@@ -91,7 +91,7 @@ torch::Tensor amx_linear_bf16(const torch::Tensor& x, const torch::Tensor& w,
               "amx_linear_bf16: weight was not packed for this input size");
   TORCH_CHECK(ngramspec::amx_permitted(), "amx_linear_bf16: AMX bf16 tiles are not available on this CPU");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * 16;
-  torch::Tensor out = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  torch::Tensor out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   if (M == 0) return out;
   const int64_t m_chunks = (M + 15) / 16;
   // rows zero-padded to whole 16-row tiles (pad rows never touch real ones)
@@ -104,7 +104,7 @@ torch::Tensor amx_linear_bf16(const torch::Tensor& x, const torch::Tensor& w,
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
     dense_range(xb.data(), M, K, wp, 2 * p0, std::min(N / 16, 2 * p1), op, N);
   });
-  if (bias.has_value() && bias->defined()) out.add_(bias->to(torch::kFloat32));
+  if (bias.has_value() && bias->defined()) out.add_(bias->to(torch::kFloat));
   return out;
 }
 

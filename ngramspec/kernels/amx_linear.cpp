@@ -15,7 +15,7 @@
 // Numerics: activations and dequantised weights are rounded to bf16, products summed in fp32 in a
 // fixed order (block by block along the input); a row's result does not depend on the other rows.
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
@@ -49,13 +49,13 @@ inline uint16_t load_u16(const uint8_t* p) {
 // blocks: [N, K / 32 * block_bytes] GGUF rows -> [N / 16, K / 32, tile_bytes] uint8
 torch::Tensor amx_pack(const torch::Tensor& blocks, int64_t qtype, int64_t K) {
   const int64_t bb = ngramspec::block_bytes(qtype);
-  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() && blocks.dim() == 2,
+  TORCH_CHECK(blocks.scalar_type() == torch::kByte && blocks.is_contiguous() && blocks.dim() == 2,
               "amx_pack: contiguous uint8 [N, row_bytes]");
   const int64_t N = blocks.size(0), nb = K / 32;
   TORCH_CHECK(N % 16 == 0 && K % 32 == 0 && blocks.size(1) == nb * bb,
               "amx_pack: N must be a multiple of 16 and rows whole blocks");
   const int64_t tb = tile_bytes(qtype);
-  torch::Tensor out = torch::zeros({N / 16, nb, tb}, torch::kUInt8);
+  torch::Tensor out = torch::zeros({N / 16, nb, tb}, torch::kByte);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   for (int64_t t = 0; t < N / 16; ++t) {
@@ -275,7 +275,7 @@ bool amx_available() { return ngramspec::amx_permitted(); }
 // x: [M, K] float32 -> [M, N] float32 with w = amx_pack(...) of a GGUF matrix.
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype,
                          const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.dim() == 2,
               "amx_linear: x must be a 2-D CPU float32 tensor");
   TORCH_CHECK(w.dim() == 3 && w.size(2) == tile_bytes(qtype) && w.size(1) * 32 == x.size(1),
               "amx_linear: weight was not packed for this type and input size");

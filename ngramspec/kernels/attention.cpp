@@ -16,7 +16,7 @@
 // draft tree see the same list (prefix + tree ancestors, in position order), so they get
 // bitwise-equal outputs: speculation is lossless in every dtype.
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
@@ -554,7 +554,7 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   const int max_q = amx ? kMaxQ : kMaxQVector;
   write_rows<T>(k, kc, slot_mapping.data_ptr<int64_t>());
   write_rows<T>(v, vc, slot_mapping.data_ptr<int64_t>());
-  torch::Tensor out = torch::empty({Tq, H * D}, q.options().dtype(torch::kFloat32));
+  torch::Tensor out = torch::empty({Tq, H * D}, q.options().dtype(torch::kFloat));
   const int64_t B = seq_offsets.size(0) - 1;
   const int64_t* so = seq_offsets.data_ptr<int64_t>();
   TORCH_CHECK(so[0] == 0 && so[B] <= Tq, "paged_attention: sequences must cover query rows 0..");
@@ -607,7 +607,7 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   // none: no chunks, and their rows come out as zeros.
   for (int64_t t = so[B]; t < Tq; ++t) base[t + 1] = base[t];
   // queries as float32, each [D]
-  torch::Tensor qf = q.to(torch::kFloat32).contiguous();
+  torch::Tensor qf = q.to(torch::kFloat).contiguous();
   const float* qp = qf.data_ptr<float>();
   const int64_t stride = D + 2;
   std::vector<float> parts(static_cast<size_t>(base[Tq] * H * stride));
@@ -683,7 +683,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k, co
                                  static_cast<const torch::Tensor*>(&v_cache)})
     TORCH_CHECK(t->device().is_cpu() && t->dim() == 3 && t->stride(2) == 1 &&
                     t->stride(1) == t->size(2) &&
-                    (t->scalar_type() == torch::kFloat32 || t->scalar_type() == torch::kBFloat16),
+                    (t->scalar_type() == torch::kFloat || t->scalar_type() == torch::kBFloat16),
                 "paged_attention: q, k, v and the caches must be 3-D float32/bfloat16 CPU tensors, "
                 "each row's heads contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_attention: K and V caches differ in dtype");
@@ -698,7 +698,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k, co
               "paged_attention: one slot and one local list per query token");
   TORCH_CHECK(causal.size(0) == seq_offsets.size(0) - 1, "paged_attention: one causal flag a sequence");
   // T is the cache's dtype; queries are read as float32 and the output has q's dtype
-  if (k_cache.scalar_type() == torch::kFloat32)
+  if (k_cache.scalar_type() == torch::kFloat)
     return run<float>(q, k, v, k_cache, v_cache, slot_mapping, seq_offsets, prefix,
                       prefix_offsets, local, local_offsets, causal, scale);
   return run<c10::BFloat16>(q, k, v, k_cache, v_cache, slot_mapping, seq_offsets, prefix,

@@ -6,7 +6,7 @@
 // same tensors as LlamaForCausalLM's Python layers (models/llama.py), so its outputs are bitwise
 // those of the Python path; it only drops the interpreter between them.
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <vector>
 

@@ -5,7 +5,7 @@
 // chunk's 32 weights are what every type dequantises at once.
 #pragma once
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <c10/util/Half.h>
 
 #include <cstdint>
@@ -139,7 +139,7 @@ inline int level(int64_t qtype, const uint8_t* b, int j, int i) {
 constexpr int64_t kPack = 8;
 
 inline void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K) {  // either layout
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 2 &&
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kByte && w.dim() == 2 &&
                   w.is_contiguous(),
               "GGUF weight must be a contiguous CPU uint8 tensor [N, row_bytes]");
   const int64_t bb = block_bytes(qtype), qk = block_weights_of(qtype);

@@ -31,7 +31,7 @@
 //   products chunk_scale() forms.
 // That is about the blocks' own bytes (Q4_K 148 a record against 8 x 18).
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -402,7 +402,7 @@ torch::Tensor gguf_pack_int8(const torch::Tensor& w, int64_t qtype, int64_t K) {
 // gguf_pack_int8; x is quantised to int8 per 32 values first (see the top).
 torch::Tensor gguf_linear_int8(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t N,
                                const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.dim() == 2,
               "gguf_linear_int8: x must be a 2-D CPU float32 tensor");
   const int64_t M = x.size(0), K = x.size(1);
   block_bytes(qtype);  // names an unknown type

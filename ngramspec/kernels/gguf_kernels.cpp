@@ -25,7 +25,7 @@
 // interleaved, [N / 8][K / QK][8][block bytes] (rows zero-padded to a multiple of 8), so one
 // group is one contiguous stream rather than 8 strided ones.
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
@@ -302,7 +302,7 @@ torch::Tensor gguf_pack(const torch::Tensor& w, int64_t qtype, int64_t K) {
 // x: [M, K] float32 -> [M, N] float32, with w: GGUF blocks of type qtype packed by gguf_pack.
 torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t N,
                           const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.dim() == 2,
               "gguf_linear: x must be a 2-D CPU float32 tensor");
   const int64_t M = x.size(0), K = x.size(1);
   check_weight(w, qtype, K);
@@ -343,7 +343,7 @@ torch::Tensor gguf_rows(const torch::Tensor& w, const torch::Tensor& ids, int64_
   TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 1, "gguf_rows: ids must be 1-D int64");
   const torch::Tensor idc = ids.contiguous().cpu();
   const int64_t T = idc.size(0), V = w.size(0), bb = block_bytes(qtype), qk = block_weights_of(qtype);
-  torch::Tensor out = torch::empty({T, K}, torch::dtype(torch::kFloat32));
+  torch::Tensor out = torch::empty({T, K}, torch::dtype(torch::kFloat));
   const int64_t* ip = idc.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(ip[t] >= 0 && ip[t] < V, "token id ", ip[t], " out of range [0, ", V, ")");

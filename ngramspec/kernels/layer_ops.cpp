@@ -6,7 +6,7 @@
 // passes over a few kB; each is one call here. Every op works row by row with a fixed order, so
 // results do not depend on how many rows a step has (speculation stays lossless).
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <c10/util/BFloat16.h>
 
 #include <cmath>
@@ -39,7 +39,7 @@ void rms_rows(const T* x, const T* w, T* out, int64_t rows, int64_t dim, int64_t
 void check(const torch::Tensor& x, const char* what) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, what,
               ": a 2-D CPU tensor with contiguous rows");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, what,
+  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, what,
               ": float32 or bfloat16");
 }
 
@@ -82,7 +82,7 @@ torch::Tensor add_rms_norm(torch::Tensor residual, const torch::Tensor& x, const
 void rope_(torch::Tensor qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads,
            int64_t head_dim) {
   check(qkv, "rope_");
-  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat &&
                   cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == qkv.size(0) &&
                   cos.size(1) == head_dim && head_dim % 2 == 0,
               "rope_: cos and sin must be contiguous float32 [T, head_dim]");

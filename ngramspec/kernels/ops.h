@@ -1,7 +1,7 @@
 // The CPU kernels' entry points, as bindings.cpp exposes them and decoder_stack.cpp calls them.
 #pragma once
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <vector>
 

@@ -54,10 +54,12 @@ class Linear(nn.Linear):
     amx: torch.Tensor | None = None  # bf16 weight in AMX tile order (CPU with AMX), or None
 
     def pack(self) -> None:
-        """Reorder the weight for oneDNN; call after the last dtype/device move.
+        """Reorder the weight for oneDNN; call after the last dtype/device move (and after any
+        weight tying: the packed module stops sharing its weight).
 
-        The plain weight is kept (state_dict, other devices), so packing costs a second copy of
-        the linear weights in host memory.
+        oneDNN's packed weight gives the plain one back exactly (`to_dense`), so the plain copy
+        is dropped: each engine would otherwise hold every matrix twice in host memory. The
+        state dict and the fallback path rebuild it from the packed copy.
         """
         self.packed = self.amx = None
         w = self.weight
@@ -70,10 +72,25 @@ class Linear(nn.Linear):
             return
         try:
             with torch.no_grad():
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
-                                                                      PACK_ROWS_HINT)
+                packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
         except RuntimeError:  # e.g. bf16 on a CPU whose oneDNN build lacks it: stay unpacked
-            self.packed = None
+            return
+        if not packed.is_mkldnn:  # no exact way back to the plain weight: keep both
+            self.packed = packed
+            return
+        self.packed = packed
+        # A placeholder of the weight's dtype: the plain matrix lives on in `packed`.
+        self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The plain [out, in] weight (rebuilt from the packed copy when it was dropped)."""
+        if self.packed is not None and self.weight.numel() == 0:
+            return self.packed.to_dense()
+        return self.weight
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.dense_weight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
         if self.amx is not None and x.is_cpu and x.dtype == torch.bfloat16:
@@ -81,7 +98,7 @@ class Linear(nn.Linear):
         if _onednn_ok(x):
             weight = self.packed if self.packed is not None else self.weight
             return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.dense_weight(), self.bias)
 
 
 def pack_linears(model: nn.Module) -> None:

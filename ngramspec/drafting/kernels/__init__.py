@@ -69,7 +69,7 @@ def _compile(target: Path) -> None:
     cmd = [_compiler(), *_FLAGS, f"-I{sysconfig.get_paths()['include']}", str(_SOURCE),
            "-o", tmp]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise DrafterBuildError(f"compiling {_SOURCE.name} failed:\n{' '.join(cmd)}\n"
                                     f"{done.stderr[-4000:]}")

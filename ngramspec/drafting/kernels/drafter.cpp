@@ -1222,83 +1222,41 @@ inline void learn(const RequestTree& tree, i64 n, const i64* accepted_tokens, i6
 }
 
 // ------------------------------------------------------------------ one call per step
-// kernels/layout.py `RequestTable` keeps, per request slot, the address and length of each of
-// its arrays (the F_* fields), and `Globals` the address and shape of each shared array (G_*):
-// the drafter holds every array whose address they store.
-enum Field { F_TOK = 0, F_PREV, F_HASHES, F_TABLE, F_ST, F_TSTATE, F_INTS, F_FLOATS, F_MATCHES,
-             NUM_FIELDS };
-enum Global {
-  G_ADDR = 0, G_SIZE, G_PARAMS, G_CAL, G_SETTINGS, G_STATS, G_S_INTS, G_S_FLOATS, G_WORK,
-  G_THREAD_STATS, G_COLS, G_EDGES, G_RUNS, G_META, G_STATES, G_TRANS, G_CORPUS_EDGES, G_ROOTS,
-  NUM_GLOBALS
-};
+// A `Drafter` (the Python type below) holds every array the kernels read: each request slot's
+// (its context index, trie state, tree buffers and corpus matches) and the shared ones (the
+// trie, calibration, scratch and corpus bank), each as a held buffer, so no pointer outlives
+// its array and none of them can be resized while held.
 enum QueueOp { O_SLOT = 0, O_COUNT, O_TRIE_FROM, O_TOKENS };
 constexpr int BAD_TOKENS = -3;  // a queued token is not an int32 (nothing ran)
+constexpr int BAD_SLOT = -4;    // a queued operation or the batch names no live request
 
-template <class T>
-T* address(i64 a) { return reinterpret_cast<T*>(static_cast<intptr_t>(a)); }
-
-// A request's arrays, read from its RequestTable row.
+// A request's arrays.
 struct RequestArrays {
   Context ctx;
   i32* tstate;
+  i64 tstate_len;
   i64* ints;
   double* floats;
   i64 (*match)[3];
-
-  RequestArrays(const i64* addr, const i64* size, i64 hashes_len) {
-    ctx.tok = address<i32>(addr[F_TOK]);
-    ctx.prev = address<i32>(addr[F_PREV]);
-    ctx.hashes = address<u64>(addr[F_HASHES]);
-    ctx.max_match = hashes_len;
-    ctx.table = address<u64[2]>(addr[F_TABLE]);
-    ctx.table_rows = size[F_TABLE];
-    ctx.st = address<i64>(addr[F_ST]);
-    tstate = address<i32>(addr[F_TSTATE]);
-    ints = address<i64>(addr[F_INTS]);
-    floats = address<double>(addr[F_FLOATS]);
-    match = address<i64[3]>(addr[F_MATCHES]);
-  }
+  i64 corpora;
 };
 
-// The shared arrays, from the Globals table (rows: address, then up to three dimensions).
+// The shared arrays, and the live requests' (null: a free slot).
 struct Shared {
-  const i64* addr;  // [slots, NUM_FIELDS]
-  const i64* size;
   const i64* params;
   Calibration cal;
   i64* stats;
+  i64 stats_len;
   i64 threads;  // rows of the per-thread scratch
   i64 s_ints_cols, s_floats_cols, work_cols, thread_stats_cols;
   i64 *s_ints, *work, *thread_stats;
   double* s_floats;
-  i64 stats_len;
   Trie trie;
   Bank bank;
+  std::vector<const RequestArrays*> requests;  // by slot
 
-  explicit Shared(const i64 (*g)[4]) {
-    addr = address<i64>(g[G_ADDR][0]);
-    size = address<i64>(g[G_SIZE][0]);
-    params = address<i64>(g[G_PARAMS][0]);
-    cal = Calibration{address<double>(g[G_CAL][0]), address<double>(g[G_SETTINGS][0])};
-    stats = address<i64>(g[G_STATS][0]);
-    stats_len = g[G_STATS][1];
-    s_ints = address<i64>(g[G_S_INTS][0]), s_ints_cols = g[G_S_INTS][2];
-    s_floats = address<double>(g[G_S_FLOATS][0]), s_floats_cols = g[G_S_FLOATS][2];
-    work = address<i64>(g[G_WORK][0]), work_cols = g[G_WORK][2];
-    thread_stats = address<i64>(g[G_THREAD_STATS][0]), thread_stats_cols = g[G_THREAD_STATS][2];
-    threads = std::min({g[G_S_INTS][1], g[G_WORK][1], g[G_THREAD_STATS][1]});
-    trie = Trie{address<i32[TRIE_COLS]>(g[G_COLS][0]), g[G_COLS][1],
-                IdTable{address<i32>(g[G_EDGES][0]), g[G_EDGES][1]},
-                IdTable{address<i32>(g[G_RUNS][0]), g[G_RUNS][1]}, address<i64>(g[G_META][0])};
-    bank = Bank{address<const i32[4]>(g[G_STATES][0]), address<const i32[2]>(g[G_TRANS][0]),
-                address<const i32[4]>(g[G_CORPUS_EDGES][0]), address<const i64>(g[G_ROOTS][0]),
-                g[G_ROOTS][1]};
-  }
-  RequestArrays request(i64 slot) const {
-    const i64* a = addr + slot * NUM_FIELDS;
-    const i64* s = size + slot * NUM_FIELDS;
-    return RequestArrays(a, s, s[F_HASHES]);
+  const RequestArrays* request(i64 slot) const {
+    return slot >= 0 && slot < static_cast<i64>(requests.size()) ? requests[slot] : nullptr;
   }
 };
 
@@ -1315,7 +1273,7 @@ bool queue_is_int32(const i64* io, i64 queued) {
 // One queued operation of a request: learn from its pending tree, index the new tokens, count
 // the n-grams ending at positions from `trie_from` (-1: the first new token); 0 or -2.
 int commit_one(const Shared& sh, i64 slot, const i64* fresh, i64 count, i64 trie_from) {
-  RequestArrays r = sh.request(slot);
+  const RequestArrays& r = *sh.request(slot);
   i64 pending = r.ints[R_PENDING];
   if (pending) {
     RequestTree tree(r.ints, r.floats, sh.params[P_NODES]);
@@ -1329,6 +1287,11 @@ int commit_one(const Shared& sh, i64 slot, const i64* fresh, i64 count, i64 trie
 
 int apply_queue(const Shared& sh, const i64* io, i64 queued) {
   if (!queue_is_int32(io, queued)) return BAD_TOKENS;
+  for (i64 i = 0; i < queued;) {  // every slot live before anything runs
+    const RequestArrays* r = sh.request(io[i + O_SLOT]);
+    if (!r || r->tstate_len != 1 + 2 * sh.trie.meta[DEPTH]) return BAD_SLOT;
+    i += O_TOKENS + io[i + O_COUNT];
+  }
   for (i64 i = 0; i < queued;) {
     i64 count = io[i + O_COUNT], start = i + O_TOKENS;
     int failed = commit_one(sh, io[i + O_SLOT], io + start, count, io[i + O_TRIE_FROM]);
@@ -1348,7 +1311,7 @@ void catch_up_batch(const Shared& sh, const i64* batch, i64 num) {
   std::vector<Walk> walks;
   for (i64 i = 0; i < num; ++i) {
     if (batch[2 * i + 1] <= 0) continue;  // no tree: its build reads no match
-    RequestArrays r = sh.request(batch[2 * i]);
+    const RequestArrays& r = *sh.request(batch[2 * i]);
     for (i64 k = 0; k < bank.corpora; ++k)
       walks.push_back(Walk{r.match[k], r.ctx.tok, r.ints[R_TRIE_START], r.ctx.st[C_NUM], k});
   }
@@ -1356,7 +1319,7 @@ void catch_up_batch(const Shared& sh, const i64* batch, i64 num) {
   i64 anchors_max = sh.params[P_ANCHORS];
   for (i64 i = 0; i < num; ++i) {
     if (batch[2 * i + 1] <= 0) continue;
-    RequestArrays r = sh.request(batch[2 * i]);
+    const RequestArrays& r = *sh.request(batch[2 * i]);
     for (i64 k = 0; k < bank.corpora; ++k) {
       i64 state = r.match[k][M_STATE];
       for (i64 j = 0; j < anchors_max; ++j) {
@@ -1377,7 +1340,7 @@ void build_one(const Shared& sh, i64 i, i64 t, const i64* batch, i64* out, doubl
                double min_path_prob) {
   const i64* params = sh.params;
   i64 nodes = params[P_NODES];
-  RequestArrays r = sh.request(batch[2 * i]);
+  const RequestArrays& r = *sh.request(batch[2 * i]);
   BuildScratch scratch(sh.s_ints + t * sh.s_ints_cols, sh.s_floats + t * sh.s_floats_cols,
                        sh.work + t * sh.work_cols, params);
   RequestTree tree(r.ints, r.floats, nodes);
@@ -1400,13 +1363,20 @@ void build_one(const Shared& sh, i64 i, i64 t, const i64* batch, i64* out, doubl
 // reads those and writes its own request's buffers and its thread's scratch and counts, so
 // thread t takes the t-th of T contiguous blocks of the batch (T = the scratch's rows) and the
 // trees are the same on one thread or on T. The batch must not name a slot twice.
-int propose(const i64* io, i64 len, i64 queued, i64* out, double* out_p, const i64 (*g)[4],
+int propose(const Shared& sh, const i64* io, i64 len, i64 queued, i64* out, double* out_p,
             double min_path_prob, bool parallel) {
-  Shared sh(g);
-  int failed = apply_queue(sh, io, queued);
-  if (failed) return failed;
   const i64* batch = io + queued;
   i64 num = (len - queued) / 2, threads = sh.threads;
+  for (i64 i = 0; i < num; ++i) {
+    const RequestArrays* r = sh.request(batch[2 * i]);
+    // The corpora its buffers were laid out for must be the bank's (the drafter re-lays a
+    // request before it builds under new corpora).
+    if (!r || (batch[2 * i + 1] > 0 && r->corpora != sh.bank.corpora) ||
+        r->tstate_len != 1 + 2 * sh.trie.meta[DEPTH])
+      return BAD_SLOT;
+  }
+  int failed = apply_queue(sh, io, queued);
+  if (failed) return failed;
   catch_up_batch(sh, batch, num);
   auto block = [&](i64 t) {
     for (i64 i = t * num / threads; i < (t + 1) * num / threads; ++i)
@@ -1548,35 +1518,6 @@ Trie trie_of(Buffer& cols, Buffer& edges, Buffer& runs, Buffer& meta) {
 bool take_trie(PyObject* const* a, Buffer* b) {
   return take(a[0], b[0], 'i', 4, 2, "cols") && take(a[1], b[1], 'i', 4, 1, "edges") &&
          take(a[2], b[2], 'i', 4, 1, "runs") && take(a[3], b[3], 'i', 8, 1, "meta");
-}
-
-// propose(io, queued, out, out_p, globals, min_path_prob, parallel) -> 0 or a failure code
-PyObject* py_propose(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  if (!nargs(n, 7, "propose")) return nullptr;
-  Buffer io, out, out_p, g;
-  if (!take(args[0], io, 'i', 8, 1, "io", false) || !take(args[2], out, 'i', 8, 2, "out") ||
-      !take(args[3], out_p, 'f', 8, 2, "out_p") || !take(args[4], g, 'i', 8, 2, "globals"))
-    return nullptr;
-  i64 queued = PyLong_AsLongLong(args[1]);
-  double min_path_prob = PyFloat_AsDouble(args[5]);
-  int parallel = PyObject_IsTrue(args[6]);
-  if (PyErr_Occurred()) return nullptr;
-  if (g.dim(0) != NUM_GLOBALS || g.dim(1) != 4) {
-    PyErr_SetString(PyExc_ValueError, "globals: expected the [NUM_GLOBALS, 4] table");
-    return nullptr;
-  }
-  i64 len = io.items();
-  i64 num = (len - queued) / 2;
-  if (queued < 0 || queued > len || out.dim(0) < num || out_p.dim(0) < num) {
-    PyErr_SetString(PyExc_ValueError, "propose: the queue length or output rows do not fit");
-    return nullptr;
-  }
-  int failed;
-  Py_BEGIN_ALLOW_THREADS
-  failed = propose(io.data<i64>(), len, queued, out.data<i64>(), out_p.data<double>(),
-                   g.data<const i64[4]>(), min_path_prob, parallel != 0);
-  Py_END_ALLOW_THREADS
-  return PyLong_FromLong(failed);
 }
 
 // context_append(tok, prev, hashes, table, st, new_tokens_int32)
@@ -1835,21 +1776,208 @@ PyObject* py_tree_lists(PyObject*, PyObject* const* args, Py_ssize_t n) {
                                        static_cast<Py_ssize_t>(local.size() * sizeof(i64)));
 }
 
+// ------------------------------------------------------------------ the Drafter type
+// Holds the arrays (module comment above `Shared`); `propose` runs with the GIL released, and
+// no array may be replaced while it does (a second thread's call is refused).
+
+struct RequestSlot {
+  Buffer held[9];  // tok, prev, hashes, table, st, tstate, ints, floats, matches
+  RequestArrays arrays;
+};
+
+struct DrafterObject {
+  PyObject_HEAD
+  std::vector<RequestSlot*>* slots;
+  Buffer* shared_held;  // [16], or null before set_shared
+  Shared* shared;
+  bool busy;
+};
+
+constexpr int NUM_SHARED = 16;
+
+bool refuse_busy(DrafterObject* self) {
+  if (!self->busy) return false;
+  PyErr_SetString(PyExc_RuntimeError, "the drafter is proposing on another thread");
+  return true;
+}
+
+void drop_slot(DrafterObject* self, i64 slot) {
+  auto& slots = *self->slots;
+  if (slot < static_cast<i64>(slots.size()) && slots[slot]) {
+    delete slots[slot];
+    slots[slot] = nullptr;
+    self->shared->requests[slot] = nullptr;
+  }
+}
+
+PyObject* drafter_new(PyTypeObject* type, PyObject*, PyObject*) {
+  auto* self = reinterpret_cast<DrafterObject*>(type->tp_alloc(type, 0));
+  if (!self) return nullptr;
+  self->slots = new std::vector<RequestSlot*>();
+  self->shared_held = nullptr;
+  self->shared = new Shared{};
+  self->busy = false;
+  return reinterpret_cast<PyObject*>(self);
+}
+
+void drafter_dealloc(DrafterObject* self) {
+  for (RequestSlot* slot : *self->slots) delete slot;
+  delete self->slots;
+  delete[] self->shared_held;
+  delete self->shared;
+  Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+}
+
+// set_request(slot, tok, prev, hashes, table, st, tstate, ints, floats, matches): point a slot at
+// a request's arrays (drafting/drafter.py _Request.arrays), replacing what it held.
+PyObject* drafter_set_request(DrafterObject* self, PyObject* const* args, Py_ssize_t n) {
+  if (!nargs(n, 10, "set_request") || refuse_busy(self)) return nullptr;
+  i64 slot = PyLong_AsLongLong(args[0]);
+  if (slot == -1 && PyErr_Occurred()) return nullptr;
+  if (slot < 0 || slot > (i64(1) << 24)) return bad_range("set_request: slot");
+  auto* r = new RequestSlot();
+  Buffer* h = r->held;
+  if (!take(args[1], h[0], 'i', 4, 1, "tok") || !take(args[2], h[1], 'i', 4, 1, "prev") ||
+      !take(args[3], h[2], 'u', 8, 1, "hashes") || !take(args[4], h[3], 'u', 8, 2, "table") ||
+      !take(args[5], h[4], 'i', 8, 1, "st") || !take(args[6], h[5], 'i', 4, 1, "tstate") ||
+      !take(args[7], h[6], 'i', 8, 1, "ints") || !take(args[8], h[7], 'f', 8, 1, "floats") ||
+      !take(args[9], h[8], 'i', 8, 2, "matches")) {
+    delete r;
+    return nullptr;
+  }
+  i64 max_match = h[2].dim(0);
+  if (h[3].dim(1) != 2 || h[8].dim(1) != 3 || h[4].dim(0) < SUFFIX_COUNTS + max_match ||
+      h[1].dim(0) < h[0].dim(0) * max_match || h[6].dim(0) <= R_HEAD) {
+    delete r;
+    return bad_range("set_request: the arrays' shapes");
+  }
+  r->arrays = RequestArrays{Context{h[0].data<i32>(), h[1].data<i32>(), h[2].data<u64>(),
+                                    max_match, h[3].data<u64[2]>(), h[3].dim(0),
+                                    h[4].data<i64>()},
+                            h[5].data<i32>(), h[5].dim(0), h[6].data<i64>(),
+                            h[7].data<double>(), h[8].data<i64[3]>(), h[8].dim(0)};
+  auto& slots = *self->slots;
+  if (slot >= static_cast<i64>(slots.size())) {
+    slots.resize(slot + 1, nullptr);
+    self->shared->requests.resize(slot + 1, nullptr);
+  }
+  drop_slot(self, slot);
+  slots[slot] = r;
+  self->shared->requests[slot] = &r->arrays;
+  Py_RETURN_NONE;
+}
+
+// release(slot): the slot holds nothing.
+PyObject* drafter_release(DrafterObject* self, PyObject* arg) {
+  if (refuse_busy(self)) return nullptr;
+  i64 slot = PyLong_AsLongLong(arg);
+  if (slot == -1 && PyErr_Occurred()) return nullptr;
+  drop_slot(self, slot);
+  Py_RETURN_NONE;
+}
+
+// set_shared(params, cal, settings, stats, s_ints, s_floats, work, thread_stats, cols, edges,
+// runs, meta, states, trans, corpus_edges, roots): the arrays every request's build reads.
+PyObject* drafter_set_shared(DrafterObject* self, PyObject* const* args, Py_ssize_t n) {
+  if (!nargs(n, NUM_SHARED, "set_shared") || refuse_busy(self)) return nullptr;
+  auto* h = new Buffer[NUM_SHARED];
+  bool ok = take(args[0], h[0], 'i', 8, 1, "params") && take(args[1], h[1], 'f', 8, 3, "cal") &&
+            take(args[2], h[2], 'f', 8, 1, "settings") && take(args[3], h[3], 'i', 8, 1, "stats") &&
+            take(args[4], h[4], 'i', 8, 2, "s_ints") && take(args[5], h[5], 'f', 8, 2, "s_floats") &&
+            take(args[6], h[6], 'i', 8, 2, "work") &&
+            take(args[7], h[7], 'i', 8, 2, "thread_stats") &&
+            take(args[8], h[8], 'i', 4, 2, "cols") && take(args[9], h[9], 'i', 4, 1, "edges") &&
+            take(args[10], h[10], 'i', 4, 1, "runs") && take(args[11], h[11], 'i', 8, 1, "meta") &&
+            take(args[12], h[12], 'i', 4, 2, "states", false) &&
+            take(args[13], h[13], 'i', 4, 2, "trans", false) &&
+            take(args[14], h[14], 'i', 4, 2, "corpus_edges", false) &&
+            take(args[15], h[15], 'i', 8, 1, "roots", false);
+  if (ok && (h[0].dim(0) != NUM_PARAMS || h[1].dim(0) != 4 || h[1].dim(1) != NUM_CLASSES ||
+             h[1].dim(2) != NUM_BUCKETS || h[2].dim(0) != 4 || h[3].dim(0) != 2 * NUM_SOURCES ||
+             h[7].dim(1) < 2 * NUM_SOURCES || h[8].dim(1) != TRIE_COLS || h[11].dim(0) != 8 ||
+             h[12].dim(1) != 4 || h[13].dim(1) != 2 || h[14].dim(1) != 4 ||
+             h[12].dim(0) < h[15].dim(0) + 1)) {
+    bad_range("set_shared: the arrays' shapes");
+    ok = false;
+  }
+  if (!ok) {
+    delete[] h;
+    return nullptr;
+  }
+  Shared& sh = *self->shared;
+  sh.params = h[0].data<i64>();
+  sh.cal = Calibration{h[1].data<double>(), h[2].data<double>()};
+  sh.stats = h[3].data<i64>(), sh.stats_len = h[3].dim(0);
+  sh.s_ints = h[4].data<i64>(), sh.s_ints_cols = h[4].dim(1);
+  sh.s_floats = h[5].data<double>(), sh.s_floats_cols = h[5].dim(1);
+  sh.work = h[6].data<i64>(), sh.work_cols = h[6].dim(1);
+  sh.thread_stats = h[7].data<i64>(), sh.thread_stats_cols = h[7].dim(1);
+  sh.threads = std::min({h[4].dim(0), h[5].dim(0), h[6].dim(0), h[7].dim(0)});
+  sh.trie = Trie{h[8].data<i32[TRIE_COLS]>(), h[8].dim(0), IdTable{h[9].data<i32>(), h[9].dim(0)},
+                 IdTable{h[10].data<i32>(), h[10].dim(0)}, h[11].data<i64>()};
+  sh.bank = Bank{h[12].data<const i32[4]>(), h[13].data<const i32[2]>(),
+                 h[14].data<const i32[4]>(), h[15].data<const i64>(), h[15].dim(0)};
+  delete[] self->shared_held;
+  self->shared_held = h;
+  Py_RETURN_NONE;
+}
+
+// propose(io, queued, out, out_p, min_path_prob, parallel) -> 0 or a failure code: io holds the
+// queued operations (io[:queued]) then (slot, budget) per request of the batch.
+PyObject* drafter_propose(DrafterObject* self, PyObject* const* args, Py_ssize_t n) {
+  if (!nargs(n, 6, "propose") || refuse_busy(self)) return nullptr;
+  if (!self->shared_held) {
+    PyErr_SetString(PyExc_RuntimeError, "propose before set_shared");
+    return nullptr;
+  }
+  Buffer io, out, out_p;
+  if (!take(args[0], io, 'i', 8, 1, "io", false) || !take(args[2], out, 'i', 8, 2, "out") ||
+      !take(args[3], out_p, 'f', 8, 2, "out_p"))
+    return nullptr;
+  i64 queued = PyLong_AsLongLong(args[1]);
+  double min_path_prob = PyFloat_AsDouble(args[4]);
+  int parallel = PyObject_IsTrue(args[5]);
+  if (PyErr_Occurred()) return nullptr;
+  i64 len = io.items(), num = (len - queued) / 2;
+  i64 nodes = self->shared->params[P_NODES];
+  if (queued < 0 || queued > len || (len - queued) % 2 ||
+      (num > 0 && (out.dim(0) < num || out_p.dim(0) < num || out.dim(1) != 3 * nodes + 1 ||
+                   out_p.dim(1) != nodes)))
+    return bad_range("propose: the queue length or output rows");
+  int failed;
+  self->busy = true;
+  Py_BEGIN_ALLOW_THREADS
+  failed = propose(*self->shared, io.data<i64>(), len, queued, out.data<i64>(),
+                   out_p.data<double>(), min_path_prob, parallel != 0);
+  Py_END_ALLOW_THREADS
+  self->busy = false;
+  return PyLong_FromLong(failed);
+}
+
+#define DRAFTER_METHOD(name, flags) \
+  {#name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(drafter_##name)), flags, \
+   nullptr}
+PyMethodDef drafter_methods[] = {
+    DRAFTER_METHOD(set_request, METH_FASTCALL), DRAFTER_METHOD(release, METH_O),
+    DRAFTER_METHOD(set_shared, METH_FASTCALL), DRAFTER_METHOD(propose, METH_FASTCALL),
+    {nullptr, nullptr, 0, nullptr}};
+#undef DRAFTER_METHOD
+
+PyTypeObject DrafterType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
 // The column numbers that kernels/layout.py must agree with (checked when the module loads).
 PyObject* py_layout(PyObject*, PyObject*) {
   return Py_BuildValue(
-      "{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:d,s:i}",
+      "{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:d}",
       "TRIE_COLS", int(TRIE_COLS), "CURSOR_COLUMNS", int(CURSOR_COLUMNS), "CAND_COLUMNS",
-      int(CAND_COLUMNS), "NUM_PARAMS", int(NUM_PARAMS), "R_HEAD", int(R_HEAD), "NUM_FIELDS",
-      int(NUM_FIELDS), "NUM_GLOBALS", int(NUM_GLOBALS), "O_TOKENS", int(O_TOKENS), "BAD_TOKENS",
-      BAD_TOKENS, "NUM_CLASSES", NUM_CLASSES, "NUM_BUCKETS", NUM_BUCKETS, "GAIN_FLOATS",
-      GAIN_FLOATS, "SUFFIX_COUNTS", int(SUFFIX_COUNTS), "LINKED", int(LINKED), "STAMP",
-      int(STAMP), "MAX_CONDITIONAL", MAX_CONDITIONAL, "WALK_LANES", int(WALK_LANES));
+      int(CAND_COLUMNS), "NUM_PARAMS", int(NUM_PARAMS), "R_HEAD", int(R_HEAD), "O_TOKENS",
+      int(O_TOKENS), "BAD_TOKENS", BAD_TOKENS, "BAD_SLOT", BAD_SLOT, "NUM_CLASSES", NUM_CLASSES,
+      "NUM_BUCKETS", NUM_BUCKETS, "GAIN_FLOATS", GAIN_FLOATS, "SUFFIX_COUNTS",
+      int(SUFFIX_COUNTS), "LINKED", int(LINKED), "STAMP", int(STAMP), "MAX_CONDITIONAL",
+      MAX_CONDITIONAL);
 }
 
 PyMethodDef methods[] = {
-    {"propose", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_propose)),
-     METH_FASTCALL, "The queued commits, then the batch's trees (kernels/drafter.cpp)."},
 #define FAST(name) \
   {#name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_##name)), METH_FASTCALL, \
    nullptr}
@@ -1865,4 +1993,22 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "ngramspec_drafter", nullptr, -1, m
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit_ngramspec_drafter() { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit_ngramspec_drafter() {
+  DrafterType.tp_name = "ngramspec_drafter.Drafter";
+  DrafterType.tp_basicsize = sizeof(DrafterObject);
+  DrafterType.tp_flags = Py_TPFLAGS_DEFAULT;
+  DrafterType.tp_doc = "The arrays of a drafter's requests and shared state, and its step kernel.";
+  DrafterType.tp_new = drafter_new;
+  DrafterType.tp_dealloc = reinterpret_cast<destructor>(drafter_dealloc);
+  DrafterType.tp_methods = drafter_methods;
+  if (PyType_Ready(&DrafterType) < 0) return nullptr;
+  PyObject* m = PyModule_Create(&module);
+  if (!m) return nullptr;
+  Py_INCREF(&DrafterType);
+  if (PyModule_AddObject(m, "Drafter", reinterpret_cast<PyObject*>(&DrafterType)) < 0) {
+    Py_DECREF(&DrafterType);
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}

@@ -1,9 +1,9 @@
 """The layout of the arrays the native drafter kernels (drafter.cpp) read and write.
 
-The Python side owns every array (numpy, grown and replaced here and in drafting/index/); the
-kernels see them through two address tables: `RequestTable` (each request's arrays) and `Globals`
-(the shared ones). The column numbers below are drafter.cpp's; `check_layout` compares them with
-the loaded module's once.
+The Python side makes every array (numpy, grown and replaced here and in drafting/index/) and
+hands it to the native `Drafter` object, which holds it while it reads it (drafting/drafter.py).
+The column numbers below are drafter.cpp's; `check_layout` compares them with the loaded
+module's once.
 """
 
 from __future__ import annotations
@@ -48,26 +48,14 @@ NUM_PARAMS = 13
 # its buffers were laid out size them, so a commit reads a pending tree with its build's layout).
 R_TRIE_START, R_PENDING, R_EVIDENCE, R_HEAD = range(4)
 
-# ---- one call per step: the tables' fields, the queue's operations
-F_TOK, F_PREV, F_HASHES, F_TABLE, F_ST, F_TSTATE, F_INTS, F_FLOATS, F_MATCHES = range(9)
-NUM_FIELDS = 9
-FIELD_DTYPES = (np.int32, np.int32, np.uint64, np.uint64, np.int64, np.int32, np.int64,
-                np.float64, np.int64)
-FIELD_COLUMNS = (0, 0, 0, 2, 0, 0, 0, 0, 3)  # a field's second dimension (0: 1-d)
-(G_ADDR, G_SIZE, G_PARAMS, G_CAL, G_SETTINGS, G_STATS, G_S_INTS, G_S_FLOATS, G_WORK,
- G_THREAD_STATS, G_COLS, G_EDGES, G_RUNS, G_META, G_STATES, G_TRANS, G_CORPUS_EDGES,
- G_ROOTS) = range(18)
-GLOBAL_SPECS = ((np.int64, 2), (np.int64, 2), (np.int64, 1), (np.float64, 3), (np.float64, 1),
-                (np.int64, 1), (np.int64, 2), (np.float64, 2), (np.int64, 2), (np.int64, 2),
-                (np.int32, 2), (np.int32, 1), (np.int32, 1), (np.int64, 1), (np.int32, 2),
-                (np.int32, 2), (np.int32, 2), (np.int64, 1))
+# ---- one call per step: the queue's operations and the failure codes
 O_SLOT, O_COUNT, O_TRIE_FROM, O_TOKENS = range(4)  # a queued operation's header, then its tokens
 BAD_TOKENS = -3  # a queued token is not an int32 (nothing ran); -2: the trie was not grown first
+BAD_SLOT = -4  # the queue or batch names a slot without arrays, or laid out for other corpora
 
 _CHECKED = {"TRIE_COLS": TRIE_COLS, "CURSOR_COLUMNS": CURSOR_COLUMNS,
             "CAND_COLUMNS": CAND_COLUMNS, "NUM_PARAMS": NUM_PARAMS, "R_HEAD": R_HEAD,
-            "NUM_FIELDS": NUM_FIELDS, "NUM_GLOBALS": len(GLOBAL_SPECS), "O_TOKENS": O_TOKENS,
-            "BAD_TOKENS": BAD_TOKENS, "NUM_CLASSES": NUM_CLASSES, "NUM_BUCKETS": NUM_BUCKETS,
+            "O_TOKENS": O_TOKENS, "BAD_TOKENS": BAD_TOKENS, "BAD_SLOT": BAD_SLOT, "NUM_CLASSES": NUM_CLASSES, "NUM_BUCKETS": NUM_BUCKETS,
             "GAIN_FLOATS": GAIN_FLOATS, "SUFFIX_COUNTS": SUFFIX_COUNTS, "LINKED": LINKED,
             "STAMP": STAMP}
 
@@ -136,72 +124,6 @@ def request_sizes(budget: int, anchors: int, num_corpora: int) -> tuple[int, int
     RequestTree); the gain sums are the floats' last GAIN_FLOATS."""
     nodes, evidence = tree_sizes(budget, anchors, num_corpora)
     return R_HEAD + 3 * nodes + 2 * evidence + nodes + 1, 2 * nodes + evidence + GAIN_FLOATS
-
-
-class RequestTable:
-    """Per request slot, the address and length of each of its arrays (the F_* fields). It holds
-    every array whose address it stores, so an address never outlives its array; `set` is the
-    only way in or out."""
-
-    def __init__(self, slots: int = 64) -> None:
-        self.addr = np.zeros((slots, NUM_FIELDS), np.int64)
-        self.size = np.zeros((slots, NUM_FIELDS), np.int64)
-        self._held: list[tuple | None] = [None] * slots
-        self._free = list(range(slots - 1, -1, -1))
-
-    def take(self) -> int:
-        """A free slot (the table grows when none is left)."""
-        if not self._free:
-            old = len(self._held)
-            self.addr = _grown_rows(self.addr, 2 * old)
-            self.size = _grown_rows(self.size, 2 * old)
-            self._held += [None] * old
-            self._free = list(range(2 * old - 1, old - 1, -1))
-        return self._free.pop()
-
-    def set(self, slot: int, arrays: tuple) -> None:
-        """Point `slot` at `arrays` (one per field, in field order) and hold them."""
-        for f, (a, dtype, columns) in enumerate(zip(arrays, FIELD_DTYPES, FIELD_COLUMNS)):
-            if a.dtype != dtype or not a.flags.c_contiguous or a.ndim != (2 if columns else 1) \
-                    or (columns and a.shape[1] != columns):
-                raise TypeError(f"field {f}: expected a C-contiguous {np.dtype(dtype)} array "
-                                f"with {columns or 'no'} columns, got {a.dtype} {a.shape}")
-            self.addr[slot, f] = a.ctypes.data
-            self.size[slot, f] = a.shape[0]
-        self._held[slot] = arrays
-
-    def release(self, slot: int) -> None:
-        self.addr[slot] = 0
-        self.size[slot] = 0
-        self._held[slot] = None
-        self._free.append(slot)
-
-
-class Globals:
-    """Addresses and shapes of the shared arrays in `GLOBAL_SPECS` order (rows: address, then
-    up to three dimensions), holding each so that no address outlives it. The drafter makes a
-    new one whenever any of them is replaced."""
-
-    def __init__(self, arrays: tuple[np.ndarray, ...]) -> None:
-        if len(arrays) != len(GLOBAL_SPECS):
-            raise ValueError(f"expected {len(GLOBAL_SPECS)} arrays, got {len(arrays)}")
-        self.table = np.zeros((len(arrays), 4), np.int64)
-        for g, (a, (dtype, ndim)) in enumerate(zip(arrays, GLOBAL_SPECS)):
-            if a.dtype != dtype or not a.flags.c_contiguous or a.ndim != ndim:
-                raise ValueError(f"global {g}: expected a C-contiguous {ndim}-d "
-                                 f"{np.dtype(dtype)} array, got {a.dtype} {a.shape}")
-            self.table[g, 0] = a.ctypes.data
-            self.table[g, 1:1 + ndim] = a.shape
-        self.arrays = arrays
-        # The arrays that get replaced (the drafter checks these for a new table each step)
-        self.addr, self.params, self.cal = arrays[G_ADDR], arrays[G_PARAMS], arrays[G_CAL]
-        self.cols = arrays[G_COLS]
-
-
-def _grown_rows(a: np.ndarray, rows: int) -> np.ndarray:
-    out = np.zeros((rows, a.shape[1]), a.dtype)
-    out[: len(a)] = a
-    return out
 
 
 class CorpusBank:
