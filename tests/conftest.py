@@ -100,7 +100,7 @@ def greedy_alone(llm, prompt_ids: list[list[int]]) -> list[GreedyRef]:
     return refs
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # ~0.7 GB; the module that uses it frees it at its end
 def hf_model(model_dir: Path):
     from transformers import AutoModelForCausalLM
 
