@@ -148,6 +148,26 @@ def test_unknown_model_path_is_a_clear_error(tmp_path: Path) -> None:
         resolve_model_dir(tmp_path / "weights.bin")
 
 
+def test_gguf_tensor_table_equals_gguf_pys_reader(tiny_gguf: Path) -> None:
+    """loader.read_gguf_tensors walks past the metadata that gguf-py decodes: the same tensors,
+    shapes, types and bytes, on the bundled file and on a mixed-block one."""
+    import gguf
+    import numpy as np
+
+    from ngramspec.models.loader import default_model_path, read_gguf_tensors
+
+    for path in (default_model_path(), tiny_gguf):
+        arch, ours = read_gguf_tensors(path)
+        reader = gguf.GGUFReader(str(path))
+        assert arch == bytes(reader.fields["general.architecture"].parts[-1]).decode()
+        assert len(ours) == len(reader.tensors)
+        for a, b in zip(ours, reader.tensors):
+            assert (a.name, a.shape, a.tensor_type) == \
+                (b.name, tuple(int(x) for x in b.shape), int(b.tensor_type))
+            assert a.data.shape == b.data.shape and a.data.dtype == b.data.dtype, a.name
+            assert np.array_equal(a.data, b.data), a.name
+
+
 def test_corrupt_gguf_is_a_clear_error(tmp_path: Path) -> None:
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + bytes(range(256)) * 8)
@@ -155,6 +175,10 @@ def test_corrupt_gguf_is_a_clear_error(tmp_path: Path) -> None:
         LLM(str(bad))
     with pytest.raises(ModelLoadError, match="not a readable GGUF"):
         resolve_model_dir(bad, cache_dir=tmp_path / "cache")
+    from ngramspec.models.loader import read_gguf_tensors
+
+    with pytest.raises(ModelLoadError, match="do not fit the file"):  # counts past its size
+        read_gguf_tensors(bad)
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
 
 

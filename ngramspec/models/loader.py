@@ -12,6 +12,8 @@ import hashlib
 import json
 import os
 import re
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -213,15 +215,107 @@ def _hf_rows(arch: str, name: str, w: np.ndarray, n_head: int, n_kv: int) -> np.
     return w
 
 
-def _open_gguf(path: Path):
-    """(reader, architecture) of a GGUF file, or a ModelLoadError naming the problem."""
+@dataclass(frozen=True, slots=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: its name, GGUF shape (row length first), type and data."""
+
+    name: str
+    shape: tuple[int, ...]
+    tensor_type: int
+    data: np.ndarray  # uint8 [rows, row bytes] for block types, else the values (a memmap view)
+
+
+# Byte sizes of the fixed-size GGUF value types (gguf.GGUFValueType numbers).
+_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def read_gguf_tensors(path: Path) -> tuple[str, list[GGUFTensor]]:
+    """(architecture, tensors) of a GGUF file, without decoding its metadata: gguf-py's reader
+    makes a numpy view of every string of the tokenizer (~150k of them in the bundled file),
+    which took ~2 s of each engine's start; this walks past them. ModelLoadError if unreadable."""
     import gguf
 
     try:
-        reader = gguf.GGUFReader(str(path))
-        return reader, bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    except Exception as e:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(24)
+            if len(head) < 24 or head[:4] != b"GGUF":
+                raise ValueError("no GGUF magic")
+            version, num_tensors, num_kv = struct.unpack("<IQQ", head[4:])
+            if version < 2:
+                raise ValueError(f"GGUF version {version} is not supported")
+            if 12 * (num_kv + num_tensors) > size:
+                raise ValueError(f"{num_kv} keys and {num_tensors} tensors do not fit the file")
+            arch, alignment = None, gguf.GGUF_DEFAULT_ALIGNMENT
+            for _ in range(num_kv):
+                key = _gguf_string(f, size)
+                (kind,) = struct.unpack("<I", f.read(4))
+                if key == "general.architecture" and kind == _GGUF_STRING:
+                    arch = _gguf_string(f, size)
+                elif key == "general.alignment" and kind == 4:
+                    (alignment,) = struct.unpack("<I", f.read(4))
+                else:
+                    _skip_gguf_value(f, kind, size)
+            infos = []
+            for _ in range(num_tensors):
+                name = _gguf_string(f, size)
+                (dims,) = struct.unpack("<I", f.read(4))
+                if dims > 8:
+                    raise ValueError(f"tensor {name} has {dims} dimensions")
+                shape = struct.unpack(f"<{dims}Q", f.read(8 * dims))
+                kind, offset = struct.unpack("<IQ", f.read(12))
+                infos.append((name, shape, kind, offset))
+            start = -(-f.tell() // alignment) * alignment
+        if arch is None:
+            raise ValueError("no general.architecture")
+        whole = np.memmap(path, dtype=np.uint8, mode="r")
+        tensors = []
+        for name, shape, kind, offset in infos:
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+            rows = int(np.prod(shape[1:], dtype=np.int64))
+            row_bytes = shape[0] // block * size
+            data = whole[start + offset:start + offset + rows * row_bytes]
+            if len(data) != rows * row_bytes:
+                raise ValueError(f"tensor {name} runs past the end of the file")
+            data = data.reshape(rows, row_bytes)
+            if block == 1:  # plain values (F32, F16, ...): as their dtype, GGUF shape reversed
+                dtype = {0: np.float32, 1: np.float16}.get(kind)
+                if dtype is not None:
+                    data = data.view(dtype).reshape(tuple(reversed(shape)))
+            tensors.append(GGUFTensor(name, tuple(int(d) for d in shape), kind, data))
+        return arch, tensors
+    except (OSError, ValueError, KeyError, struct.error) as e:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from e
+
+
+def _gguf_length(f, size: int, unit: int = 1) -> int:
+    """A uint64 count of `unit`-byte items that must fit in the rest of the file."""
+    (length,) = struct.unpack("<Q", f.read(8))
+    if length * unit > size - f.tell():
+        raise ValueError(f"a length of {length} runs past the end of the file")
+    return length
+
+
+def _gguf_string(f, size: int) -> str:
+    return f.read(_gguf_length(f, size)).decode("utf-8", errors="replace")
+
+
+def _skip_gguf_value(f, kind: int, size: int) -> None:
+    if kind in _GGUF_SCALARS:
+        f.seek(_GGUF_SCALARS[kind], 1)
+    elif kind == _GGUF_STRING:
+        f.seek(_gguf_length(f, size), 1)
+    elif kind == _GGUF_ARRAY:
+        (item,) = struct.unpack("<I", f.read(4))
+        count = _gguf_length(f, size, _GGUF_SCALARS.get(item, 8))
+        if item in _GGUF_SCALARS:
+            f.seek(_GGUF_SCALARS[item] * count, 1)
+        else:
+            for _ in range(count):
+                _skip_gguf_value(f, item, size)
+    else:
+        raise ValueError(f"unknown GGUF value type {kind}")
 
 
 def convert_gguf(path: Path, out: Path) -> None:
@@ -229,7 +323,7 @@ def convert_gguf(path: Path, out: Path) -> None:
     import gguf
     from transformers import AutoConfig, AutoTokenizer
 
-    reader, arch = _open_gguf(path)
+    arch, tensors = read_gguf_tensors(path)
     if arch not in _GGUF_ARCHS:
         raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r}")
     try:
@@ -241,8 +335,9 @@ def convert_gguf(path: Path, out: Path) -> None:
     n_head = hf_config["num_attention_heads"]
     n_kv = hf_config.get("num_key_value_heads") or n_head
     state = {}
-    for t in tqdm(reader.tensors, desc=f"dequantising {path.name}", unit="tensor"):
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+    for t in tqdm(tensors, desc=f"dequantising {path.name}", unit="tensor"):
+        w = gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.tensor_type))
+        w = w.astype(np.float32)
         name = _hf_name(t.name)
         state[name] = torch.from_numpy(np.ascontiguousarray(_hf_rows(arch, name, w, n_head, n_kv)))
     tmp = out.with_name(out.name + ".tmp")
@@ -263,10 +358,10 @@ def load_gguf_weights(path: Path, num_heads: int, num_kv_heads: int) -> dict:
     dequantised state dict instead. q/k rows are un-permuted as `convert_gguf` does them."""
     from ngramspec.layers.gguf_linear import KERNEL_TYPES, GGUFWeight
 
-    reader, arch = _open_gguf(path)
+    arch, tensors = read_gguf_tensors(path)
     out = {}
-    for t in reader.tensors:
-        qtype = int(t.tensor_type)
+    for t in tensors:
+        qtype = t.tensor_type
         if qtype not in KERNEL_TYPES or len(t.shape) != 2:
             continue
         name = _hf_name(t.name)
