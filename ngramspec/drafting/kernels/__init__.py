@@ -31,7 +31,7 @@ _NAME = "ngramspec_drafter"
 # operation (a fused multiply-add rounds once where the reference rounds twice).
 _FLAGS = ["-O2", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off",
           "-fvisibility=hidden"]
-_BUILD_DEFAULT_S = 30.0  # the progress estimate before this machine has built it once
+_BUILD_DEFAULT_S = 10.0  # the progress estimate before this machine has built it once
 
 
 class DrafterBuildError(RuntimeError):
