@@ -271,7 +271,7 @@ def test_deterministic(backend: str):
 
 @backends
 def test_commits_reach_the_trie_before_any_reader_even_after_stop(backend: str):
-    # The production drafter queues commits until the next propose (kernels/step.py): reading
+    # The production drafter queues commits until the next propose (kernels/drafter.cpp): reading
     # the trie, or a stopped request's last commit, must still see them.
     drafter = new_drafter(backend)
     drafter.start("a", [1, 2, 3])

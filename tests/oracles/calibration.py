@@ -1,5 +1,5 @@
 """List-based reference of drafting/calibration.py: the per-(cls, bucket) update and estimate
-that kernels/commit.py `learn` and kernels/build.py `_estimate` compute, in the same order."""
+that kernels/drafter.cpp `learn` and `TreeBuild::estimate` compute, in the same order."""
 
 from __future__ import annotations
 
