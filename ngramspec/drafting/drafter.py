@@ -320,7 +320,7 @@ class NgramDrafter:
                 or shared[2] is not layout.params):
             self._set_shared(layout)
         num = len(batch) // 2
-        # Threads only pay off with a few requests each (starting one costs ~20 µs); a slot
+        # Threads only pay off with a few requests each (starting one is not free); a slot
         # named twice (a caller's bug) would be built by two threads at once.
         parallel = (self._threads > 1 and num >= 4 * self._threads
                     and len(set(batch[::2])) == num)

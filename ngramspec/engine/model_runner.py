@@ -284,8 +284,8 @@ SIZE_CLASS_LIMITS = (1, 16)
 @contextlib.contextmanager
 def _without_random_init() -> Iterator[None]:
     """Linear and embedding weights made without their random init: the checkpoint overwrites
-    every one (load_hf_state_dict refuses a missing one), and the init was about half of an
-    engine's start on the CPU (0.7 of 1.3 s for the bundled model)."""
+    every one (load_hf_state_dict refuses a missing one), and the init was a large share of an
+    engine's start on the CPU."""
     saved = torch.nn.Linear.reset_parameters, torch.nn.Embedding.reset_parameters
     torch.nn.Linear.reset_parameters = torch.nn.Embedding.reset_parameters = _no_init
     try:

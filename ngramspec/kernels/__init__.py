@@ -31,8 +31,8 @@ from types import ModuleType
 
 from ngramspec.progress import build_progress, cache_root
 
-# bindings.cpp first: it alone includes torch/extension.h (~20 s of the ~50 s of compile on
-# 2 cores), so ninja starts it while the other files share the second core.
+# bindings.cpp first: it alone includes torch/extension.h, the longest compile by far, so ninja
+# starts it while the other files share the second core.
 _SOURCES = [Path(__file__).with_name(f) for f in (
     "bindings.cpp", "gguf_kernels.cpp", "gguf_int8.cpp", "amx_linear.cpp", "amx_dense.cpp",
     "attention.cpp", "layer_ops.cpp", "decoder_stack.cpp")]

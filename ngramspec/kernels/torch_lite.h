@@ -1,6 +1,6 @@
 #pragma once
-// The slice of torch the kernels use. <torch/extension.h> (pybind11 and torch's whole C++ API)
-// costs ~20 s of compile per file, most of a first build on 2 cores; only bindings.cpp needs it.
+// The slice of torch the kernels use: <torch/extension.h> (pybind11 and torch's whole C++ API)
+// is most of each file's compile time, and only bindings.cpp needs it.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -73,7 +73,7 @@ def _support(logits: torch.Tensor, params: SamplingParams
              ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The tokens plain decoding can draw and their probabilities: temperature, top-k, top-p,
     min-p. With top-k the rest is computed on the k survivors only (ties at the k-th value
-    stay): a sort and a draw over the whole vocabulary cost ~1 ms each per token at 49,152."""
+    stay): a sort and a draw over the whole vocabulary would dominate the token's cost."""
     # logits: [V] (penalties already applied) -> (ids [S] or None for all V, probs [S])
     logits = logits / params.temperature
     ids = None
@@ -93,7 +93,7 @@ def _support(logits: torch.Tensor, params: SamplingParams
 def _nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The smallest prefix of the tokens by probability (equal ones in index order) whose mass
     reaches top_p, the crossing token included: (their indices, their probabilities). Looked
-    for among the largest few, then more: sorting all 49,152 took ~3 ms a token."""
+    for among the largest few, then more, rather than sorting the whole vocabulary."""
     # probs: [S] -> ([K], [K])
     n = probs.shape[0]
     k = min(64, n)
@@ -133,7 +133,8 @@ def sample_token(
     device = generator.device if generator is not None else torch.device("cpu")
     u = float(torch.rand((), dtype=torch.float64, generator=generator, device=device))
     point = torch.tensor([u * float(cdf[-1])], dtype=torch.float64, device=cdf.device)
-    i = int(torch.searchsorted(cdf, point, right=True)[0])  # a zero-probability token never
+    # right=True: a zero-probability token (a flat step of the cdf) is never the answer.
+    i = int(torch.searchsorted(cdf, point, right=True)[0])
     if i >= cdf.shape[0]:  # u * total rounded up to the total: the last token that can be drawn
         i = int((probs > 0).nonzero()[-1, 0])
     return i if ids is None else int(ids[i])

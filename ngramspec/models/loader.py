@@ -232,8 +232,8 @@ _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 def read_gguf_tensors(path: Path) -> tuple[str, list[GGUFTensor]]:
     """(architecture, tensors) of a GGUF file, without decoding its metadata: gguf-py's reader
-    makes a numpy view of every string of the tokenizer (~150k of them in the bundled file),
-    which took ~2 s of each engine's start; this walks past them. ModelLoadError if unreadable."""
+    makes a numpy view of every tokenizer string, most of an engine's start; this walks past
+    them. ModelLoadError if unreadable."""
     import gguf
 
     try:

@@ -2,7 +2,7 @@
 
 drafting/index/ and drafting/drafter.py own the arrays (layout.py says how they are laid out);
 drafter.cpp reads and writes them in place, one call per engine step. The first use on a machine
-compiles it with the system C++ compiler (`$CXX`, else g++; ~20 s on 2 cores, with progress on
+compiles it with the system C++ compiler (`$CXX`, else g++; seconds, with progress on
 stderr) into `<ngramspec cache>/drafter/<key>`, the key hashing the source, the flags, the
 compiler and the Python ABI, so checkouts and interpreters never load each other's build. Two
 processes building at once each write their own temporary file and rename it into place.

@@ -617,7 +617,7 @@ struct Lane {
   i64 state, length, next, end;
   int stage;
   i64 link;
-  i64 request, corpus;
+  i64 corpus;
   i64* match;     // the request's match row in this corpus
   const i32* tok;  // the request's context
 
@@ -693,7 +693,7 @@ inline bool start_lane(const Bank& bank, i64 k, i64* match, const i32* tok, i64 
     match[M_STATE] = state, match[M_LEN] = length, match[M_FED] = n;
     return false;
   }
-  lane = Lane{state, length, fed, n, FEED, 0, 0, k, match, tok};
+  lane = Lane{state, length, fed, n, FEED, 0, k, match, tok};
   return true;
 }
 
@@ -982,7 +982,6 @@ class TreeBuild {
   // Fill the request's tree and evidence; returns the node count (also left in R_PENDING for
   // the commit that follows).
   i64 run(i64 budget, double min_path_prob) {
-    const i64* params = in_.params;
     std::fill(s_.counts, s_.counts + 4, 0);
     out_.tok[0] = in_.tok[in_.n_tok - 1], out_.parent[0] = -1, out_.src[0] = -1;
     out_.prob[0] = 1.0, out_.base[0] = 1.0;
@@ -992,7 +991,6 @@ class TreeBuild {
     i64 head = root_cursors();
     i64 n = 1, e = 0, parent = 0, node_src = -1;
     double prob = 1.0;
-    (void)params;
     while (true) {
       push_children(parent, prob, head, budget + 1 - n, node_src);
       if (s_.counts[N_RANKED] == 0) break;
