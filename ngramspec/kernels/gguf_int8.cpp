@@ -90,7 +90,49 @@ struct QuantRows {
   const int32_t* halves(int64_t m, int64_t c) const { return half.data() + (m * C + c) * 2; }
 };
 
-// ggml's quantize_row_q8_0 rounding (x * 127 / max|x|, to nearest even), with float32 scales.
+// One chunk of 32 values: ggml's quantize_row_q8_0 rounding (x * 127 / max|x|, to nearest even),
+// with float32 scales. The vector form takes the same products and the same rounding.
+inline void quantize_chunk(const float* xc, int8_t* q, float& d, float& dsum, int32_t* half) {
+#if defined(__AVX512F__) || NGRAMSPEC_AVX2
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4], amax8 = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(xc + 8 * i);
+    amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, v[i]));
+  }
+  const __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax8, 1), _mm256_castps256_ps128(amax8));
+  const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1)));
+  const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+  __m256i qi[4];
+  for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));  // to even
+  // int32 -> int8 in order: packs interleave 128-bit lanes, the permute puts them back.
+  const __m256i w16 = _mm256_packs_epi32(qi[0], qi[1]), x16 = _mm256_packs_epi32(qi[2], qi[3]);
+  const __m256i b8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, x16), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), b8);
+  const __m256i lo = _mm256_add_epi32(qi[0], qi[1]), hi = _mm256_add_epi32(qi[2], qi[3]);
+  alignas(32) int32_t l[8], h[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(l), lo);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(h), hi);
+  half[0] = half[1] = 0;
+  for (int i = 0; i < 8; ++i) {
+    half[0] += l[i];
+    half[1] += h[i];
+  }
+#else
+  float amax = 0.0f;
+  for (int i = 0; i < kChunk; ++i) amax = std::max(amax, std::fabs(xc[i]));
+  const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+  half[0] = half[1] = 0;
+  for (int i = 0; i < kChunk; ++i) {
+    q[i] = static_cast<int8_t>(std::nearbyint(xc[i] * id));
+    half[i / 16] += q[i];
+  }
+#endif
+  d = amax / 127.0f;
+  dsum = d * static_cast<float>(half[0] + half[1]);
+}
+
 QuantRows quantize_rows(const float* x, int64_t M, int64_t K) {
   QuantRows a;
   a.K = K;
@@ -99,22 +141,15 @@ QuantRows quantize_rows(const float* x, int64_t M, int64_t K) {
   a.d.resize(static_cast<size_t>(M * a.C));
   a.dsum.resize(static_cast<size_t>(M * a.C));
   a.half.resize(static_cast<size_t>(M * a.C * 2));
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t c = 0; c < a.C; ++c) {
-      const float* xc = x + m * K + c * kChunk;
-      float amax = 0.0f;
-      for (int i = 0; i < kChunk; ++i) amax = std::max(amax, std::fabs(xc[i]));
-      const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
-      int8_t* q = a.q.data() + m * K + c * kChunk;
-      int32_t* half = a.half.data() + (m * a.C + c) * 2;
-      half[0] = half[1] = 0;
-      for (int i = 0; i < kChunk; ++i) {
-        q[i] = static_cast<int8_t>(std::nearbyint(xc[i] * id));
-        half[i / 16] += q[i];
+  // a prefill's rows are a few percent of its step: worth both threads; a decode row is not
+  at::parallel_for(0, M, M * K >= (1 << 15) ? 1 : M, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t c = 0; c < a.C; ++c) {
+        const int64_t at = m * a.C + c;
+        quantize_chunk(x + m * K + c * kChunk, a.q.data() + m * K + c * kChunk, a.d[at], a.dsum[at],
+                       a.half.data() + at * 2);
       }
-      a.d[m * a.C + c] = d;
-      a.dsum[m * a.C + c] = d * static_cast<float>(half[0] + half[1]);
-    }
+  });
   return a;
 }
 
@@ -271,23 +306,186 @@ void lanes_tile(const QuantRows& a, int64_t m0, int64_t rows, const uint8_t* gp,
   }
 }
 
-#if defined(__AVX512F__)
-constexpr int kLanesMR = 8;  // of 32 registers (8 hold the levels)
+// Register q's levels of a record (lv[q] of record_levels), decoded alone so that a tile keeps
+// one register of levels live at a time.
+template <int64_t Q>
+inline __m256i level_reg(const uint8_t* p, int q) {
+  if constexpr (Q == kQ8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * q));
+  } else {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * (q % 4)));
+    __m256i lv = _mm256_and_si256(q < 4 ? raw : _mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F));
+    const auto plane_bit = [&](int bit, int64_t at) {  // or_plane's bit for register q alone
+      const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + at));
+      const __m256i moved = q <= bit ? _mm256_slli_epi16(plane, bit - q) : _mm256_srli_epi16(plane, q - bit);
+      return _mm256_and_si256(moved, _mm256_set1_epi8(static_cast<char>(1 << bit)));
+    };
+    if constexpr (high_bits(Q) >= 1) lv = _mm256_or_si256(lv, plane_bit(4, 128));
+    if constexpr (high_bits(Q) >= 2) lv = _mm256_or_si256(lv, plane_bit(5, 160));
+    return lv;
+  }
+}
+
+// One product of register q's levels with a row's broadcast activations: int16 pair sums
+// (maddubs) or, with VNNI, added to the int32 lanes at once.
+#if NGRAMSPEC_VNNI
+template <int64_t Q>
+inline __m256i level_dot(__m256i isum, __m256i lv, __m256i act) {
+  if constexpr (Q == kQ8_0) return dot_lanes(isum, _mm256_sign_epi8(lv, lv), _mm256_sign_epi8(act, lv));
+  return dot_lanes(isum, lv, act);
+}
 #else
-constexpr int kLanesMR = 2;  // of 16 registers
+template <int64_t Q>
+inline __m256i level_pairs(__m256i lv, __m256i act) {
+  if constexpr (Q == kQ8_0) return _mm256_maddubs_epi16(_mm256_sign_epi8(lv, lv), _mm256_sign_epi8(act, lv));
+  return _mm256_maddubs_epi16(lv, act);
+}
 #endif
+
+// An empty asm that "changes" v: GCC otherwise regroups a tile's integer adds into a tree of
+// every product, which holds them all at once and spills them to the stack.
+inline void in_register(__m256i& v) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(v));
+#else
+  asm("" : "+x"(v));
+#endif
+}
+
+// The tile for more than one row: MR rows x G groups (8 G outputs). Each register of levels is
+// decoded once for the tile and each row's broadcast activations once for its G groups, so a
+// chunk costs its 8 products per (row, group) and little else. The integer sums are exact and
+// each output's float operations are lanes_tile's, in its order (acc here, the B terms in a
+// second pass over the factors alone, out = acc + mins), so every row's outputs are bitwise
+// those of the one-row tile.
+template <int64_t Q, int MR, int G>
+void block_tile(const QuantRows& a, int64_t m0, const uint8_t* gp, int64_t gb, float* out, int64_t ldo) {
+  __m256 acc[MR][G];
+  for (int r = 0; r < MR; ++r)
+    for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
+  // Q6_K closes a sum at each half (its own scale); the others once a chunk.
+  constexpr int kSpan = Q == kQ6_K ? 4 : 8;
+#if !NGRAMSPEC_VNNI
+  constexpr int per_madd = Q == kQ8_0 ? 1 : 8 >> high_bits(Q);
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  for (int64_t ch = 0; ch < a.C; ++ch) {
+    for (int q0 = 0; q0 < 8; q0 += kSpan) {
+      __m256i isum[MR][G];
+      for (int r = 0; r < MR; ++r)
+        for (int g = 0; g < G; ++g) isum[r][g] = _mm256_setzero_si256();
+#if NGRAMSPEC_VNNI
+      for (int q = q0; q < q0 + kSpan; ++q) {
+        __m256i lv[G];
+        for (int g = 0; g < G; ++g) lv[g] = level_reg<Q>(gp + g * gb + record_at(Q, ch), q);
+        for (int r = 0; r < MR; ++r) {
+          const __m256i act = _mm256_set1_epi32(
+              static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(a.qs(m0 + r, ch) + 4 * q))));
+          for (int g = 0; g < G; ++g) {
+            isum[r][g] = level_dot<Q>(isum[r][g], lv[g], act);
+            in_register(isum[r][g]);
+          }
+        }
+      }
+#else
+      for (int qm = q0; qm < q0 + kSpan; qm += per_madd) {
+        __m256i pairs[MR][G];
+        for (int r = 0; r < MR; ++r)
+          for (int g = 0; g < G; ++g) pairs[r][g] = _mm256_setzero_si256();
+        for (int q = qm; q < qm + per_madd; ++q) {
+          __m256i lv[G];
+          for (int g = 0; g < G; ++g) lv[g] = level_reg<Q>(gp + g * gb + record_at(Q, ch), q);
+          for (int r = 0; r < MR; ++r) {
+            const __m256i act = _mm256_set1_epi32(
+                static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(a.qs(m0 + r, ch) + 4 * q))));
+            for (int g = 0; g < G; ++g) {
+              pairs[r][g] = _mm256_add_epi16(pairs[r][g], level_pairs<Q>(lv[g], act));
+              in_register(pairs[r][g]);
+            }
+          }
+        }
+        for (int r = 0; r < MR; ++r)
+          for (int g = 0; g < G; ++g) isum[r][g] = _mm256_add_epi32(isum[r][g], _mm256_madd_epi16(pairs[r][g], ones));
+      }
+#endif
+      for (int g = 0; g < G; ++g) {
+        const uint8_t* p = gp + g * gb + record_at(Q, ch);
+        __m256 d = _mm256_setzero_ps();
+        if constexpr (is_k_quant(Q))
+          d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gp + g * gb + head_at(Q, ch))));
+        const Factors f = record_factors<Q>(p, d, _mm256_setzero_ps());
+        const __m256 scale = Q == kQ6_K && q0 == 4 ? f.a2 : f.a;
+        for (int r = 0; r < MR; ++r) {
+          __m256i s = isum[r][g];
+          if constexpr (Q == kQ6_K) s = _mm256_sub_epi32(s, _mm256_set1_epi32(32 * a.halves(m0 + r, ch)[q0 / 4]));
+          const __m256 xd = _mm256_set1_ps(a.d[(m0 + r) * a.C + ch]);
+          acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(scale, xd), acc[r][g]);
+        }
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    __m256 mins[MR];
+    for (int r = 0; r < MR; ++r) mins[r] = _mm256_setzero_ps();
+    if constexpr (has_min(Q)) {
+      __m256 nmin = _mm256_setzero_ps();
+      for (int64_t ch = 0; ch < a.C; ++ch) {
+        if constexpr (is_k_quant(Q))
+          nmin = _mm256_xor_ps(
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gp + g * gb + head_at(Q, ch) + 16))),
+              _mm256_set1_ps(-0.0f));
+        const Factors f = record_factors<Q>(gp + g * gb + record_at(Q, ch), _mm256_setzero_ps(), nmin);
+        for (int r = 0; r < MR; ++r)
+          mins[r] = _mm256_fmadd_ps(f.b, _mm256_set1_ps(a.dsum[(m0 + r) * a.C + ch]), mins[r]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * ldo + g * kPack, _mm256_add_ps(acc[r][g], mins[r]));
+  }
+}
+
+#if NGRAMSPEC_VNNI || defined(__AVX512F__)
+constexpr int kTileMR = 4, kTileG = 3;  // 32 registers: 12 sums, 12 accumulators
+#else
+constexpr int kTileMR = 4, kTileG = 2;  // 16 registers
+#endif
+
+// Rows m0 .. m0 + MR (MR <= kTileMR) x groups [g0, g1): full tiles of kTileG groups, then the
+// last groups one at a time, each into a scratch row when the matrix ends inside it.
+template <int64_t Q, int MR>
+void block_rows(const QuantRows& a, int64_t m0, const uint8_t* w, float* out, int64_t N, int64_t g0, int64_t g1) {
+  const int64_t gb = group_bytes(Q, a.C);
+  int64_t g = g0;
+  for (; g + kTileG <= g1 && (g + kTileG) * kPack <= N; g += kTileG)
+    block_tile<Q, MR, kTileG>(a, m0, w + g * gb, gb, out + m0 * N + g * kPack, N);
+  for (; g < g1; ++g) {
+    if ((g + 1) * kPack <= N) {
+      block_tile<Q, MR, 1>(a, m0, w + g * gb, gb, out + m0 * N + g * kPack, N);
+      continue;
+    }
+    float tail[MR * kPack];
+    block_tile<Q, MR, 1>(a, m0, w + g * gb, gb, tail, kPack);
+    for (int r = 0; r < MR; ++r)
+      for (int64_t c = 0; c < N - g * kPack; ++c) out[(m0 + r) * N + g * kPack + c] = tail[r * kPack + c];
+  }
+}
 
 template <int64_t Q>
 void lanes_groups(const QuantRows& a, int64_t M, const uint8_t* w, float* out, int64_t N, int64_t g0, int64_t g1) {
-  const int64_t gb = group_bytes(Q, a.C);
-  for (int64_t g = g0; g < g1; ++g)
-    for (int64_t m = 0; m < M; m += kLanesMR) {
-      const int64_t rows = std::min<int64_t>(kLanesMR, M - m);
-      if (rows == 1)
-        lanes_tile<Q, 1>(a, m, 1, w + g * gb, out + m * N + g * kPack, N, N - g * kPack);
-      else
-        lanes_tile<Q, kLanesMR>(a, m, rows, w + g * gb, out + m * N + g * kPack, N, N - g * kPack);
+  int64_t m = 0;
+  for (; m + kTileMR <= M; m += kTileMR) block_rows<Q, kTileMR>(a, m, w, out, N, g0, g1);
+  const int64_t left = M - m;
+  if (left >= 2) {
+    if constexpr (kTileMR > 3) {
+      if (left == 3) return block_rows<Q, 3>(a, m, w, out, N, g0, g1);
     }
+    block_rows<Q, 2>(a, m, w, out, N, g0, g1);
+    m += 2;
+  }
+  if (m < M) {  // one row: lanes_tile keeps a record's 8 registers of levels for it
+    const int64_t gb = group_bytes(Q, a.C);
+    for (int64_t g = g0; g < g1; ++g)
+      lanes_tile<Q, 1>(a, m, 1, w + g * gb, out + m * N + g * kPack, N, N - g * kPack);
+  }
 }
 
 #else  // the same integer sums and float operations, output by output
