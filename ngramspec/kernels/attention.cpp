@@ -207,6 +207,43 @@ inline __m256 first_lanes(int64_t n) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), idx));
 }
 
+// Scores of NQ queries against one transposed 8-key block (kt: [D][8 keys]), scaled, into
+// sc[q][j0 .. j0 + 8): each score one FMA chain over the dims in order.
+template <int D, int NQ>
+inline void block_scores(const float* kt, const float* const* qs, float scale, float (*sc)[kChunk], int64_t j0) {
+  __m256 acc[NQ];
+  for (int q = 0; q < NQ; ++q) acc[q] = _mm256_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const __m256 kd = _mm256_load_ps(kt + d * 8);
+    for (int q = 0; q < NQ; ++q) acc[q] = _mm256_fmadd_ps(_mm256_set1_ps(qs[q][d]), kd, acc[q]);
+  }
+  for (int q = 0; q < NQ; ++q) _mm256_store_ps(sc[q] + j0, _mm256_mul_ps(acc[q], _mm256_set1_ps(scale)));
+}
+
+// out[q][2 ..] = sum over the n keys of p[q][j] * v_j for NQ queries, 16 dims a pass: one FMA
+// chain per (query, dim) over the keys in order.
+template <typename T, int ND, int NQ>
+inline void value_sums(const Cache<T>& c, int64_t g, const KeyList& keys, int64_t i0, int64_t n,
+                       const float (*p)[kChunk], float* const* out) {
+  for (int d0 = 0; d0 < 2 * ND; d0 += 2) {
+    __m256 acc[NQ][2];
+    for (int q = 0; q < NQ; ++q) acc[q][0] = acc[q][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const T* v = c.vrow(keys.slot(i0 + j), g) + 8 * d0;
+      const __m256 v0 = load8(v), v1 = load8(v + 8);
+      for (int q = 0; q < NQ; ++q) {
+        const __m256 pj = _mm256_set1_ps(p[q][j]);
+        acc[q][0] = _mm256_fmadd_ps(pj, v0, acc[q][0]);
+        acc[q][1] = _mm256_fmadd_ps(pj, v1, acc[q][1]);
+      }
+    }
+    for (int q = 0; q < NQ; ++q) {
+      _mm256_storeu_ps(out[q] + 2 + 8 * d0, acc[q][0]);
+      _mm256_storeu_ps(out[q] + 2 + 8 * d0 + 8, acc[q][1]);
+    }
+  }
+}
+
 template <typename T, int ND>
 void chunk_partial(const Cache<T>& c, int64_t g, const float* const* qs, int nq, const KeyList& keys,
                    int64_t i0, int64_t i1, float scale, float* const* out) {
@@ -223,13 +260,16 @@ void chunk_partial(const Cache<T>& c, int64_t g, const float* const* qs, int nq,
       transpose8(rows, cols);
       for (int e = 0; e < 8; ++e) _mm256_store_ps(kt + (8 * d + e) * 8, cols[e]);
     }
-    __m256 acc[kMaxQVector];
-    for (int q = 0; q < nq; ++q) acc[q] = _mm256_setzero_ps();
-    for (int d = 0; d < D; ++d) {
-      const __m256 kd = _mm256_load_ps(kt + d * 8);
-      for (int q = 0; q < nq; ++q) acc[q] = _mm256_fmadd_ps(_mm256_set1_ps(qs[q][d]), kd, acc[q]);
+    switch (nq) {  // a constant count keeps the accumulators in registers without branches
+      case 8: block_scores<D, 8>(kt, qs, scale, sc, j0); break;
+      case 7: block_scores<D, 7>(kt, qs, scale, sc, j0); break;
+      case 6: block_scores<D, 6>(kt, qs, scale, sc, j0); break;
+      case 5: block_scores<D, 5>(kt, qs, scale, sc, j0); break;
+      case 4: block_scores<D, 4>(kt, qs, scale, sc, j0); break;
+      case 3: block_scores<D, 3>(kt, qs, scale, sc, j0); break;
+      case 2: block_scores<D, 2>(kt, qs, scale, sc, j0); break;
+      default: block_scores<D, 1>(kt, qs, scale, sc, j0); break;
     }
-    for (int q = 0; q < nq; ++q) _mm256_store_ps(sc[q] + j0, _mm256_mul_ps(acc[q], _mm256_set1_ps(scale)));
   }
   for (int q = 0; q < nq; ++q) {  // softmax numerators and sums, per query
     __m256 vmax = _mm256_set1_ps(-INFINITY);
@@ -253,15 +293,14 @@ void chunk_partial(const Cache<T>& c, int64_t g, const float* const* qs, int nq,
     out[q][0] = mx;
     out[q][1] = ngramspec::reduce_add16(vsum);
   }
-  for (int q = 0; q < nq; ++q) {
-    __m256 acc[2 * ND];
-    for (int d = 0; d < 2 * ND; ++d) acc[d] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      const T* v = c.vrow(keys.slot(i0 + j), g);
-      const __m256 p = _mm256_set1_ps(sc[q][j]);
-      for (int d = 0; d < 2 * ND; ++d) acc[d] = _mm256_fmadd_ps(p, load8(v + 8 * d), acc[d]);
+  // Values: 4 queries x 16 dims a pass, so each value load (and bf16 widening) serves 4 queries.
+  for (int q0 = 0; q0 < nq; q0 += 4) {
+    switch (std::min(4, nq - q0)) {
+      case 4: value_sums<T, ND, 4>(c, g, keys, i0, n, sc + q0, out + q0); break;
+      case 3: value_sums<T, ND, 3>(c, g, keys, i0, n, sc + q0, out + q0); break;
+      case 2: value_sums<T, ND, 2>(c, g, keys, i0, n, sc + q0, out + q0); break;
+      default: value_sums<T, ND, 1>(c, g, keys, i0, n, sc + q0, out + q0); break;
     }
-    for (int d = 0; d < 2 * ND; ++d) _mm256_storeu_ps(out[q] + 2 + 8 * d, acc[d]);
   }
 }
 
