@@ -2,7 +2,7 @@
 
 /health and /v1/models answer as llama-server does. /v1/completions answers greedy-like text that
 depends on the prompt, changed by `--spec-type ngram-simple` (a speculative mode that is not
-lossless), one token long unless `ignore_eos` asks for max_tokens; /completion (llama-server's own endpoint) repeats the prompt's last token.
+lossless), one token long unless `ignore_eos` asks for max_tokens, streamed as one chunk a token when asked; /completion (llama-server's own endpoint) repeats the prompt's last token.
 """
 
 import json
@@ -37,6 +37,14 @@ class Handler(BaseHTTPRequestHandler):
         assert req["model"] == "fake"
         text = "x" * (sum(req["prompt"]) % 7) + ("!" if self.simple else "")
         tokens = req["max_tokens"] if req["ignore_eos"] else 1  # an early end of text otherwise
+        if req.get("stream"):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for _ in range(tokens):
+                self.wfile.write(b"data: " + json.dumps({"choices": [{"text": "x"}]}).encode() + b"\n\n")
+            self.wfile.write(b"data: [DONE]\n\n")
+            return
         self._send({"choices": [{"text": text}], "usage": {"completion_tokens": tokens}})
 
 

@@ -20,8 +20,10 @@ def test_the_harness_times_every_server_and_counts_equal_outputs(tmp_path: Path,
                               workloads=["chat", "summarize"],
                               modes=["ngram-mod", "ngram-simple"], limit=2, max_tokens=5, threads=2,
                               isa=None, start_timeout=60.0, log_dir=str(tmp_path / "logs"), json=True,
-                              ignore_eos=True)
+                              ignore_eos=True, phases=True)
     r = bench.run(args)
+    assert set(r["phases"]) == {"llama plain"}  # plain servers only
+    assert r["phases"]["llama plain"]["prefill_tok_s"] > 0 and r["phases"]["llama plain"]["decode_ms"] > 0
     assert set(r["workloads"]) == {"chat", "summarize"}
     for row in r["workloads"].values():
         assert row["num_prompts"] == 2
@@ -31,7 +33,7 @@ def test_the_harness_times_every_server_and_counts_equal_outputs(tmp_path: Path,
         assert set(row["completion_tokens"].values()) == {2 * 5}  # ignore_eos: max_tokens each
     assert set(r["all"]) == set(r["workloads"]["chat"]["tok_s"])
     json.dumps(r)  # the --json output
-    args.ignore_eos = False  # the stand-in then ends each text after one token
+    args.ignore_eos, args.phases = False, False  # the stand-in then ends each text after one token
     r = bench.run(args)
     assert set(r["workloads"]["chat"]["completion_tokens"].values()) == {2}
 

