@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -649,11 +650,13 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   torch::Tensor qf = q.to(torch::kFloat).contiguous();
   const float* qp = qf.data_ptr<float>();
   const int64_t stride = D + 2;
-  std::vector<float> parts(static_cast<size_t>(base[Tq] * H * stride));
+  // every (token, head, chunk) partial is written by its item before the merge reads it, so the
+  // buffer (megabytes for a prefill chunk) is not zeroed first
+  const std::unique_ptr<float[]> parts(new float[static_cast<size_t>(base[Tq] * H * stride)]);
   const Cache<T> cache{kc.data_ptr<T>(), vc.data_ptr<T>(), KVH, D};
   const float sc = static_cast<float>(scale);
   auto part_of = [&](int64_t t, int64_t h, int64_t c) {
-    return parts.data() + ((base[t] + c) * H + h) * stride;
+    return parts.get() + ((base[t] + c) * H + h) * stride;
   };
   // Items differ in cost (a shared prefix chunk of 32 queries vs a tree token's few own keys), so
   // threads take them one at a time in order (chunk-major: neighbours share keys) rather than in
