@@ -78,10 +78,7 @@ class Server:
     def complete(self, prompt: list[int], max_tokens: int,
                  ignore_eos: bool = False) -> tuple[str, int, float]:
         """(text, completion tokens, seconds) of one greedy /v1/completions request."""
-        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                           "temperature": 0.0, "ignore_eos": ignore_eos}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        req = self._request(prompt, max_tokens, ignore_eos=ignore_eos)
         t = time.perf_counter()
         try:
             with urllib.request.urlopen(req, timeout=600) as r:
@@ -94,10 +91,7 @@ class Server:
     def stream(self, prompt: list[int], max_tokens: int) -> tuple[float, float]:
         """(seconds to the first text, seconds to the last) of one greedy streamed /v1/completions
         request that runs to max_tokens."""
-        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                           "temperature": 0.0, "ignore_eos": True, "stream": True}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        req = self._request(prompt, max_tokens, ignore_eos=True, stream=True)
         t, first, last = time.perf_counter(), None, None
         with urllib.request.urlopen(req, timeout=600) as r:
             for raw in r:
@@ -110,6 +104,13 @@ class Server:
         if first is None or last is None:
             raise SystemExit(f"{self.name}: a streamed request gave no text")
         return first, last
+
+    def _request(self, prompt: list[int], max_tokens: int, **options: bool) -> urllib.request.Request:
+        """A greedy /v1/completions request for this server's model."""
+        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                           "temperature": 0.0, **options}).encode()
+        return urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=body,
+                                      headers={"Content-Type": "application/json"})
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

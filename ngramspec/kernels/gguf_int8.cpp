@@ -172,64 +172,75 @@ inline __m256i dot_lanes(__m256i acc, __m256i u, __m256i a) {
 }
 #endif
 
-// Bit BIT of each byte of register r (r = 0..7) from bit r of the plane's bytes. 16-bit shifts
-// by at most BIT keep each byte's bit BIT its own.
-template <int BIT>
-inline void or_plane(__m256i* lv, __m256i plane) {
-  const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << BIT));
-  for (int r = 0; r < 8; ++r) {
-    const __m256i at = r <= BIT ? _mm256_slli_epi16(plane, BIT - r) : _mm256_srli_epi16(plane, r - BIT);
-    lv[r] = _mm256_or_si256(lv[r], _mm256_and_si256(at, bit));
-  }
-}
-
-// A record's 8 registers of levels.
+// Register q (0..7) of a record's levels: nibbles (low for q < 4, high after), then bit 4 (and 5)
+// from the planes, whose byte o * 4 + i holds register q's bit in its bit q. 16-bit shifts by at
+// most the bit's place keep each byte's bit its own.
 template <int64_t Q>
-inline void record_levels(const uint8_t* p, __m256i* lv) {
+inline __m256i level_reg(const uint8_t* p, int q) {
   if constexpr (Q == kQ8_0) {
-    for (int q = 0; q < 8; ++q) lv[q] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * q));
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * q));
   } else {
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    for (int q = 0; q < 4; ++q) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * q));
-      lv[q] = _mm256_and_si256(raw, low4);
-      lv[q + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-    }
-    if constexpr (high_bits(Q) >= 1) or_plane<4>(lv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128)));
-    if constexpr (high_bits(Q) >= 2) or_plane<5>(lv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 160)));
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * (q % 4)));
+    __m256i lv = _mm256_and_si256(q < 4 ? raw : _mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F));
+    const auto plane_bit = [&](int bit, int64_t at) {
+      const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + at));
+      const __m256i moved = q <= bit ? _mm256_slli_epi16(plane, bit - q) : _mm256_srli_epi16(plane, q - bit);
+      return _mm256_and_si256(moved, _mm256_set1_epi8(static_cast<char>(1 << bit)));
+    };
+    if constexpr (high_bits(Q) >= 1) lv = _mm256_or_si256(lv, plane_bit(4, 128));
+    if constexpr (high_bits(Q) >= 2) lv = _mm256_or_si256(lv, plane_bit(5, 160));
+    return lv;
   }
 }
 
-// The exact integer sums of registers [R0, R1) against row aq's activations, 4 at a time
-// broadcast. Without VNNI, maddubs' int16 pair sums of several registers are added in int16
-// before one madd: a pair is at most 2 * 127 * (15, 31 or 63 by level bits; Q8_0's |w| <= 128
-// one at a time), so 8, 4 or 2 of them stay within 32767 and the sum is still exact.
+// Products of registers of levels with 4 activations broadcast, summed per lane. With VNNI each
+// goes straight into int32 lanes. Without it, maddubs' int16 pair sums of several registers are
+// added in int16 before one widening madd: a pair is at most 2 * 127 * (15, 31 or 63 by level
+// bits; Q8_0's |w| <= 128 one at a time), so 8, 4 or 2 of them stay within 32767 and every sum
+// is exact.
+template <int64_t Q>
+constexpr int products_per_widen() {
+#if NGRAMSPEC_VNNI
+  return 8;
+#else
+  return Q == kQ8_0 ? 1 : 8 >> high_bits(Q);
+#endif
+}
+
+inline __m256i broadcast4(const int8_t* aq) {
+  return _mm256_set1_epi32(static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(aq))));
+}
+
+// part + register lv's products with act (Q8_0's signed levels: |lv| times act with lv's sign).
+template <int64_t Q>
+inline __m256i add_products(__m256i part, __m256i lv, __m256i act) {
+  const __m256i u = Q == kQ8_0 ? _mm256_sign_epi8(lv, lv) : lv;
+  const __m256i s = Q == kQ8_0 ? _mm256_sign_epi8(act, lv) : act;
+#if NGRAMSPEC_VNNI
+  return dot_lanes(part, u, s);
+#else
+  return _mm256_add_epi16(part, _mm256_maddubs_epi16(u, s));
+#endif
+}
+
+inline __m256i widen(__m256i part) {  // int32 lanes
+#if NGRAMSPEC_VNNI
+  return part;
+#else
+  return _mm256_madd_epi16(part, _mm256_set1_epi16(1));
+#endif
+}
+
+// The exact integer sums of registers [R0, R1) against row aq's activations.
 template <int64_t Q, int R0, int R1>
 inline __m256i chunk_dot(const __m256i* lv, const int8_t* aq) {
-  const auto act = [aq](int q) {
-    return _mm256_set1_epi32(static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(aq + 4 * q))));
-  };
+  constexpr int W = products_per_widen<Q>();
   __m256i isum = _mm256_setzero_si256();
-#if NGRAMSPEC_VNNI
-  for (int q = R0; q < R1; ++q) {
-    if constexpr (Q == kQ8_0)
-      isum = dot_lanes(isum, _mm256_sign_epi8(lv[q], lv[q]), _mm256_sign_epi8(act(q), lv[q]));
-    else
-      isum = dot_lanes(isum, lv[q], act(q));
+  for (int q0 = R0; q0 < R1; q0 += W) {
+    __m256i part = _mm256_setzero_si256();
+    for (int q = q0; q < q0 + W && q < R1; ++q) part = add_products<Q>(part, lv[q], broadcast4(aq + 4 * q));
+    isum = _mm256_add_epi32(isum, widen(part));
   }
-#else
-  constexpr int per_madd = Q == kQ8_0 ? 1 : 8 >> high_bits(Q);
-  for (int q0 = R0; q0 < R1; q0 += per_madd) {
-    __m256i pairs = _mm256_setzero_si256();
-    for (int q = q0; q < q0 + per_madd && q < R1; ++q) {
-      const __m256i p = Q == kQ8_0
-                            ? _mm256_maddubs_epi16(_mm256_sign_epi8(lv[q], lv[q]), _mm256_sign_epi8(act(q), lv[q]))
-                            : _mm256_maddubs_epi16(lv[q], act(q));
-      pairs = _mm256_add_epi16(pairs, p);
-    }
-    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-  }
-#endif
   return isum;
 }
 
@@ -262,12 +273,11 @@ inline Factors record_factors(const uint8_t* p, __m256 d, __m256 nmin) {
   return r;
 }
 
-// MR rows x the 8 outputs of one group (`gp`: its records).
-template <int64_t Q, int MR>
-void lanes_tile(const QuantRows& a, int64_t m0, int64_t rows, const uint8_t* gp, float* out, int64_t ldo,
-                int64_t ncols) {
-  __m256 acc[MR], mins[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
+// Row m x the 8 outputs of one group (`gp`: its records), all 8 registers of a record's levels
+// decoded at once; ncols (<= 8) of them stored.
+template <int64_t Q>
+void row_tile(const QuantRows& a, int64_t m, const uint8_t* gp, float* out, int64_t ncols) {
+  __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
   __m256 d = _mm256_setzero_ps(), nmin = _mm256_setzero_ps();
   for (int64_t ch = 0; ch < a.C; ++ch) {
     if constexpr (is_k_quant(Q)) {
@@ -281,66 +291,25 @@ void lanes_tile(const QuantRows& a, int64_t m0, int64_t rows, const uint8_t* gp,
     }
     const uint8_t* p = gp + record_at(Q, ch);
     __m256i lv[8];
-    record_levels<Q>(p, lv);
+    for (int q = 0; q < 8; ++q) lv[q] = level_reg<Q>(p, q);
     const Factors f = record_factors<Q>(p, d, nmin);
-    for (int r = 0; r < MR && r < rows; ++r) {
-      const int8_t* aq = a.qs(m0 + r, ch);
-      const __m256 xd = _mm256_set1_ps(a.d[(m0 + r) * a.C + ch]);
-      if constexpr (Q == kQ6_K) {
-        const int32_t* hs = a.halves(m0 + r, ch);
-        const __m256i lo = _mm256_sub_epi32(chunk_dot<Q, 0, 4>(lv, aq), _mm256_set1_epi32(32 * hs[0]));
-        const __m256i hi = _mm256_sub_epi32(chunk_dot<Q, 4, 8>(lv, aq), _mm256_set1_epi32(32 * hs[1]));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(f.a, xd), acc[r]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(f.a2, xd), acc[r]);
-      } else {
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chunk_dot<Q, 0, 8>(lv, aq)), _mm256_mul_ps(f.a, xd), acc[r]);
-        if constexpr (has_min(Q))
-          mins[r] = _mm256_fmadd_ps(f.b, _mm256_set1_ps(a.dsum[(m0 + r) * a.C + ch]), mins[r]);
-      }
+    const int8_t* aq = a.qs(m, ch);
+    const __m256 xd = _mm256_set1_ps(a.d[m * a.C + ch]);
+    if constexpr (Q == kQ6_K) {
+      const int32_t* hs = a.halves(m, ch);
+      const __m256i lo = _mm256_sub_epi32(chunk_dot<Q, 0, 4>(lv, aq), _mm256_set1_epi32(32 * hs[0]));
+      const __m256i hi = _mm256_sub_epi32(chunk_dot<Q, 4, 8>(lv, aq), _mm256_set1_epi32(32 * hs[1]));
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(f.a, xd), acc);
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(f.a2, xd), acc);
+    } else {
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chunk_dot<Q, 0, 8>(lv, aq)), _mm256_mul_ps(f.a, xd), acc);
+      if constexpr (has_min(Q)) mins = _mm256_fmadd_ps(f.b, _mm256_set1_ps(a.dsum[m * a.C + ch]), mins);
     }
   }
-  for (int r = 0; r < MR && r < rows; ++r) {
-    float v[8];
-    _mm256_storeu_ps(v, _mm256_add_ps(acc[r], mins[r]));
-    for (int c = 0; c < ncols && c < 8; ++c) out[r * ldo + c] = v[c];
-  }
+  float v[8];
+  _mm256_storeu_ps(v, _mm256_add_ps(acc, mins));
+  for (int c = 0; c < ncols && c < 8; ++c) out[c] = v[c];
 }
-
-// Register q's levels of a record (lv[q] of record_levels), decoded alone so that a tile keeps
-// one register of levels live at a time.
-template <int64_t Q>
-inline __m256i level_reg(const uint8_t* p, int q) {
-  if constexpr (Q == kQ8_0) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * q));
-  } else {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * (q % 4)));
-    __m256i lv = _mm256_and_si256(q < 4 ? raw : _mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F));
-    const auto plane_bit = [&](int bit, int64_t at) {  // or_plane's bit for register q alone
-      const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + at));
-      const __m256i moved = q <= bit ? _mm256_slli_epi16(plane, bit - q) : _mm256_srli_epi16(plane, q - bit);
-      return _mm256_and_si256(moved, _mm256_set1_epi8(static_cast<char>(1 << bit)));
-    };
-    if constexpr (high_bits(Q) >= 1) lv = _mm256_or_si256(lv, plane_bit(4, 128));
-    if constexpr (high_bits(Q) >= 2) lv = _mm256_or_si256(lv, plane_bit(5, 160));
-    return lv;
-  }
-}
-
-// One product of register q's levels with a row's broadcast activations: int16 pair sums
-// (maddubs) or, with VNNI, added to the int32 lanes at once.
-#if NGRAMSPEC_VNNI
-template <int64_t Q>
-inline __m256i level_dot(__m256i isum, __m256i lv, __m256i act) {
-  if constexpr (Q == kQ8_0) return dot_lanes(isum, _mm256_sign_epi8(lv, lv), _mm256_sign_epi8(act, lv));
-  return dot_lanes(isum, lv, act);
-}
-#else
-template <int64_t Q>
-inline __m256i level_pairs(__m256i lv, __m256i act) {
-  if constexpr (Q == kQ8_0) return _mm256_maddubs_epi16(_mm256_sign_epi8(lv, lv), _mm256_sign_epi8(act, lv));
-  return _mm256_maddubs_epi16(lv, act);
-}
-#endif
 
 // An empty asm that "changes" v: GCC otherwise regroups a tile's integer adds into a tree of
 // every product, which holds them all at once and spills them to the stack.
@@ -355,7 +324,7 @@ inline void in_register(__m256i& v) {
 // The tile for more than one row: MR rows x G groups (8 G outputs). Each register of levels is
 // decoded once for the tile and each row's broadcast activations once for its G groups, so a
 // chunk costs its 8 products per (row, group) and little else. The integer sums are exact and
-// each output's float operations are lanes_tile's, in its order (acc here, the B terms in a
+// each output's float operations are row_tile's, in its order (acc here, the B terms in a
 // second pass over the factors alone, out = acc + mins), so every row's outputs are bitwise
 // those of the one-row tile.
 template <int64_t Q, int MR, int G>
@@ -365,49 +334,30 @@ void block_tile(const QuantRows& a, int64_t m0, const uint8_t* gp, int64_t gb, f
     for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
   // Q6_K closes a sum at each half (its own scale); the others once a chunk.
   constexpr int kSpan = Q == kQ6_K ? 4 : 8;
-#if !NGRAMSPEC_VNNI
-  constexpr int per_madd = Q == kQ8_0 ? 1 : 8 >> high_bits(Q);
-  const __m256i ones = _mm256_set1_epi16(1);
-#endif
+  constexpr int W = std::min(products_per_widen<Q>(), kSpan);
   for (int64_t ch = 0; ch < a.C; ++ch) {
     for (int q0 = 0; q0 < 8; q0 += kSpan) {
       __m256i isum[MR][G];
       for (int r = 0; r < MR; ++r)
         for (int g = 0; g < G; ++g) isum[r][g] = _mm256_setzero_si256();
-#if NGRAMSPEC_VNNI
-      for (int q = q0; q < q0 + kSpan; ++q) {
-        __m256i lv[G];
-        for (int g = 0; g < G; ++g) lv[g] = level_reg<Q>(gp + g * gb + record_at(Q, ch), q);
-        for (int r = 0; r < MR; ++r) {
-          const __m256i act = _mm256_set1_epi32(
-              static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(a.qs(m0 + r, ch) + 4 * q))));
-          for (int g = 0; g < G; ++g) {
-            isum[r][g] = level_dot<Q>(isum[r][g], lv[g], act);
-            in_register(isum[r][g]);
-          }
-        }
-      }
-#else
-      for (int qm = q0; qm < q0 + kSpan; qm += per_madd) {
-        __m256i pairs[MR][G];
+      for (int qw = q0; qw < q0 + kSpan; qw += W) {
+        __m256i part[MR][G];
         for (int r = 0; r < MR; ++r)
-          for (int g = 0; g < G; ++g) pairs[r][g] = _mm256_setzero_si256();
-        for (int q = qm; q < qm + per_madd; ++q) {
+          for (int g = 0; g < G; ++g) part[r][g] = _mm256_setzero_si256();
+        for (int q = qw; q < qw + W; ++q) {
           __m256i lv[G];
           for (int g = 0; g < G; ++g) lv[g] = level_reg<Q>(gp + g * gb + record_at(Q, ch), q);
           for (int r = 0; r < MR; ++r) {
-            const __m256i act = _mm256_set1_epi32(
-                static_cast<int>(load_u32(reinterpret_cast<const uint8_t*>(a.qs(m0 + r, ch) + 4 * q))));
+            const __m256i act = broadcast4(a.qs(m0 + r, ch) + 4 * q);
             for (int g = 0; g < G; ++g) {
-              pairs[r][g] = _mm256_add_epi16(pairs[r][g], level_pairs<Q>(lv[g], act));
-              in_register(pairs[r][g]);
+              part[r][g] = add_products<Q>(part[r][g], lv[g], act);
+              in_register(part[r][g]);
             }
           }
         }
         for (int r = 0; r < MR; ++r)
-          for (int g = 0; g < G; ++g) isum[r][g] = _mm256_add_epi32(isum[r][g], _mm256_madd_epi16(pairs[r][g], ones));
+          for (int g = 0; g < G; ++g) isum[r][g] = _mm256_add_epi32(isum[r][g], widen(part[r][g]));
       }
-#endif
       for (int g = 0; g < G; ++g) {
         const uint8_t* p = gp + g * gb + record_at(Q, ch);
         __m256 d = _mm256_setzero_ps();
@@ -443,10 +393,11 @@ void block_tile(const QuantRows& a, int64_t m0, const uint8_t* gp, int64_t gb, f
   }
 }
 
+constexpr int kTileMR = 4;
 #if NGRAMSPEC_VNNI || defined(__AVX512F__)
-constexpr int kTileMR = 4, kTileG = 3;  // 32 registers: 12 sums, 12 accumulators
+constexpr int kTileG = 3;  // 32 registers: 12 sums, 12 accumulators
 #else
-constexpr int kTileMR = 4, kTileG = 2;  // 16 registers
+constexpr int kTileG = 2;  // 16 registers
 #endif
 
 // Rows m0 .. m0 + MR (MR <= kTileMR) x groups [g0, g1): full tiles of kTileG groups, then the
@@ -473,18 +424,15 @@ template <int64_t Q>
 void lanes_groups(const QuantRows& a, int64_t M, const uint8_t* w, float* out, int64_t N, int64_t g0, int64_t g1) {
   int64_t m = 0;
   for (; m + kTileMR <= M; m += kTileMR) block_rows<Q, kTileMR>(a, m, w, out, N, g0, g1);
-  const int64_t left = M - m;
-  if (left >= 2) {
-    if constexpr (kTileMR > 3) {
-      if (left == 3) return block_rows<Q, 3>(a, m, w, out, N, g0, g1);
+  switch (M - m) {
+    case 3: return block_rows<Q, 3>(a, m, w, out, N, g0, g1);
+    case 2: return block_rows<Q, 2>(a, m, w, out, N, g0, g1);
+    case 1: {
+      const int64_t gb = group_bytes(Q, a.C);
+      for (int64_t g = g0; g < g1; ++g) row_tile<Q>(a, m, w + g * gb, out + m * N + g * kPack, N - g * kPack);
+      return;
     }
-    block_rows<Q, 2>(a, m, w, out, N, g0, g1);
-    m += 2;
-  }
-  if (m < M) {  // one row: lanes_tile keeps a record's 8 registers of levels for it
-    const int64_t gb = group_bytes(Q, a.C);
-    for (int64_t g = g0; g < g1; ++g)
-      lanes_tile<Q, 1>(a, m, 1, w + g * gb, out + m * N + g * kPack, N, N - g * kPack);
+    default: return;
   }
 }
 

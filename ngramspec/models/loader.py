@@ -272,9 +272,9 @@ def read_gguf_tensors(path: Path) -> tuple[str, list[GGUFTensor]]:
         whole = np.memmap(path, dtype=np.uint8, mode="r")
         tensors = []
         for name, shape, kind, offset in infos:
-            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+            block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
             rows = int(np.prod(shape[1:], dtype=np.int64))
-            row_bytes = shape[0] // block * size
+            row_bytes = shape[0] // block * block_bytes
             data = whole[start + offset:start + offset + rows * row_bytes]
             if len(data) != rows * row_bytes:
                 raise ValueError(f"tensor {name} runs past the end of the file")
