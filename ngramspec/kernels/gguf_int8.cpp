@@ -273,13 +273,21 @@ inline Factors record_factors(const uint8_t* p, __m256 d, __m256 nmin) {
   return r;
 }
 
+// Asks for [p, p + n) ahead of use: the next tile's weights, spread over this tile's chunks, so
+// they stream from memory while this tile computes (a hardware prefetcher stops at each 4 KB page).
+inline void prefetch_span(const uint8_t* p, int64_t n) {
+  for (int64_t b = 0; b < n; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p + b), _MM_HINT_T0);
+}
+
 // Row m x the 8 outputs of one group (`gp`: its records), all 8 registers of a record's levels
 // decoded at once; ncols (<= 8) of them stored.
 template <int64_t Q>
 void row_tile(const QuantRows& a, int64_t m, const uint8_t* gp, float* out, int64_t ncols) {
   __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
   __m256 d = _mm256_setzero_ps(), nmin = _mm256_setzero_ps();
+  const int64_t gb = group_bytes(Q, a.C), span = (gb + a.C - 1) / a.C;
   for (int64_t ch = 0; ch < a.C; ++ch) {
+    prefetch_span(gp + gb + ch * span, span);
     if constexpr (is_k_quant(Q)) {
       if (ch % 8 == 0) {
         const uint8_t* h = gp + head_at(Q, ch);
@@ -335,7 +343,9 @@ void block_tile(const QuantRows& a, int64_t m0, const uint8_t* gp, int64_t gb, f
   // Q6_K closes a sum at each half (its own scale); the others once a chunk.
   constexpr int kSpan = Q == kQ6_K ? 4 : 8;
   constexpr int W = std::min(products_per_widen<Q>(), kSpan);
+  const int64_t span = (G * gb + a.C - 1) / a.C;
   for (int64_t ch = 0; ch < a.C; ++ch) {
+    prefetch_span(gp + G * gb + ch * span, span);
     for (int q0 = 0; q0 < 8; q0 += kSpan) {
       __m256i isum[MR][G];
       for (int r = 0; r < MR; ++r)
