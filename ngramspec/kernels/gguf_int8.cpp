@@ -276,7 +276,7 @@ inline Factors record_factors(const uint8_t* p, __m256 d, __m256 nmin) {
 // Asks for [p, p + n) ahead of use: the next tile's weights, spread over this tile's chunks, so
 // they stream from memory while this tile computes (a hardware prefetcher stops at each 4 KB page).
 inline void prefetch_span(const uint8_t* p, int64_t n) {
-  for (int64_t b = 0; b < n; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p + b), _MM_HINT_T0);
+  for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
 // Row m x the 8 outputs of one group (`gp`: its records), all 8 registers of a record's levels
