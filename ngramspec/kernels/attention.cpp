@@ -68,6 +68,15 @@ struct Cache {
   inline const T* vrow(int64_t slot, int64_t g) const { return v + (slot * KVH + g) * D; }
 };
 
+// A chunk's keys transposed (the vector paths' key blocks, [n / block][D][block]) and its values
+// widened to float32 ([n][D]), made once for every batch of queries that shares the chunk: a
+// prefill chunk's keys serve hundreds of queries, a draft tree's prefix chunk a few batches.
+// The same floats the inline path makes per batch, so the numbers do not change.
+struct Stage {
+  const float* kt;
+  const float* v;  // nullptr: the cache's own float32 rows
+};
+
 constexpr int kMaxQ = 32;  // most queries sharing one pass over a chunk's keys (two AMX tiles)
 constexpr int kMaxQVector = 8;  // ... on the AVX-512 path (its accumulators live in registers)
 
@@ -104,22 +113,32 @@ inline void transpose16(const __m512* r, __m512* c) {
 // indices [i0, i1) (i0 % 16 == 0): out[n] = [max, sum, acc[0 .. D)], acc = sum_i exp(s_i - max) v_i.
 // Keys go through in transposed 16-key blocks, so a score is one FMA chain over the dims in
 // order, and every block's key loads serve all nq queries. A query's numbers do not depend on nq.
+constexpr int kKeyBlock = 16;
+
+// Keys [j0, j0 + 16) of the chunk at list index i0, transposed into kt [D][16] (zeros past n).
+template <typename T, int ND>
+void transpose_keys(const Cache<T>& c, int64_t g, const KeyList& keys, int64_t i0, int64_t j0, int64_t n,
+                    float* kt) {
+  const int64_t nk = std::min<int64_t>(16, n - j0);
+  for (int d = 0; d < ND; ++d) {
+    __m512 rows[16], cols[16];
+    for (int j = 0; j < 16; ++j)
+      rows[j] = j < nk ? load16(c.krow(keys.slot(i0 + j0 + j), g) + 16 * d) : _mm512_setzero_ps();
+    transpose16(rows, cols);
+    for (int e = 0; e < 16; ++e) _mm512_store_ps(kt + (16 * d + e) * 16, cols[e]);
+  }
+}
+
 template <typename T, int ND>
 void chunk_partial(const Cache<T>& c, int64_t g, const float* const* qs, int nq, const KeyList& keys,
-                   int64_t i0, int64_t i1, float scale, float* const* out) {
+                   int64_t i0, int64_t i1, float scale, const Stage* st, float* const* out) {
   constexpr int D = ND * 16;
   alignas(64) float sc[kMaxQVector][kChunk];
-  alignas(64) float kt[D * 16];  // [D][16 keys]
+  alignas(64) float own[D * 16];  // [D][16 keys], without a stage
   const int64_t n = i1 - i0;
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const int64_t nk = std::min<int64_t>(16, n - j0);
-    for (int d = 0; d < ND; ++d) {
-      __m512 rows[16], cols[16];
-      for (int j = 0; j < 16; ++j)
-        rows[j] = j < nk ? load16(c.krow(keys.slot(i0 + j0 + j), g) + 16 * d) : _mm512_setzero_ps();
-      transpose16(rows, cols);
-      for (int e = 0; e < 16; ++e) _mm512_store_ps(kt + (16 * d + e) * 16, cols[e]);
-    }
+    const float* kt = st ? st->kt + j0 * D : own;
+    if (!st) transpose_keys<T, ND>(c, g, keys, i0, j0, n, own);
     __m512 acc[kMaxQVector];
     for (int q = 0; q < nq; ++q) acc[q] = _mm512_setzero_ps();
     for (int d = 0; d < D; ++d) {
@@ -155,9 +174,13 @@ void chunk_partial(const Cache<T>& c, int64_t g, const float* const* qs, int nq,
     for (int q = 0; q < QT; ++q)
       for (int d = 0; d < ND; ++d) acc[q][d] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
-      const T* v = c.vrow(keys.slot(i0 + j), g);
       __m512 vv[ND];
-      for (int d = 0; d < ND; ++d) vv[d] = load16(v + 16 * d);
+      if (st && st->v) {
+        for (int d = 0; d < ND; ++d) vv[d] = load16(st->v + j * D + 16 * d);
+      } else {
+        const T* v = c.vrow(keys.slot(i0 + j), g);
+        for (int d = 0; d < ND; ++d) vv[d] = load16(v + 16 * d);
+      }
       for (int q = 0; q < nt; ++q) {
         const __m512 p = _mm512_set1_ps(sc[q0 + q][j]);
         for (int d = 0; d < ND; ++d) acc[q][d] = _mm512_fmadd_ps(p, vv[d], acc[q][d]);
@@ -223,14 +246,13 @@ inline void block_scores(const float* kt, const float* const* qs, float scale, f
 
 // out[q][2 ..] = sum over the n keys of p[q][j] * v_j for NQ queries, 16 dims a pass: one FMA
 // chain per (query, dim) over the keys in order.
-template <typename T, int ND, int NQ>
-inline void value_sums(const Cache<T>& c, int64_t g, const KeyList& keys, int64_t i0, int64_t n,
-                       const float (*p)[kChunk], float* const* out) {
+template <int ND, int NQ, typename Rows>
+inline void value_sums(const Rows& row, int64_t n, const float (*p)[kChunk], float* const* out) {
   for (int d0 = 0; d0 < 2 * ND; d0 += 2) {
     __m256 acc[NQ][2];
     for (int q = 0; q < NQ; ++q) acc[q][0] = acc[q][1] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
-      const T* v = c.vrow(keys.slot(i0 + j), g) + 8 * d0;
+      const auto* v = row(j) + 8 * d0;
       const __m256 v0 = load8(v), v1 = load8(v + 8);
       for (int q = 0; q < NQ; ++q) {
         const __m256 pj = _mm256_set1_ps(p[q][j]);
@@ -245,22 +267,40 @@ inline void value_sums(const Cache<T>& c, int64_t g, const KeyList& keys, int64_
   }
 }
 
+constexpr int kKeyBlock = 8;
+
+// Keys [j0, j0 + 8) of the chunk at list index i0, transposed into kt [D][8] (zeros past n).
+template <typename T, int ND>
+void transpose_keys(const Cache<T>& c, int64_t g, const KeyList& keys, int64_t i0, int64_t j0, int64_t n,
+                    float* kt) {
+  const int64_t nk = std::min<int64_t>(8, n - j0);
+  for (int d = 0; d < 2 * ND; ++d) {
+    __m256 rows[8], cols[8];
+    for (int j = 0; j < 8; ++j)
+      rows[j] = j < nk ? load8(c.krow(keys.slot(i0 + j0 + j), g) + 8 * d) : _mm256_setzero_ps();
+    transpose8(rows, cols);
+    for (int e = 0; e < 8; ++e) _mm256_store_ps(kt + (8 * d + e) * 8, cols[e]);
+  }
+}
+
+template <typename T, int ND, int NQ>
+inline void value_sums(const Cache<T>& c, int64_t g, const KeyList& keys, int64_t i0, int64_t n,
+                       const Stage* st, const float (*p)[kChunk], float* const* out) {
+  constexpr int D = ND * 16;
+  if (st && st->v) return value_sums<ND, NQ>([&](int64_t j) { return st->v + j * D; }, n, p, out);
+  value_sums<ND, NQ>([&](int64_t j) { return c.vrow(keys.slot(i0 + j), g); }, n, p, out);
+}
+
 template <typename T, int ND>
 void chunk_partial(const Cache<T>& c, int64_t g, const float* const* qs, int nq, const KeyList& keys,
-                   int64_t i0, int64_t i1, float scale, float* const* out) {
+                   int64_t i0, int64_t i1, float scale, const Stage* st, float* const* out) {
   constexpr int D = ND * 16;
   alignas(32) float sc[kMaxQVector][kChunk];
-  alignas(32) float kt[D * 8];  // [D][8 keys]
+  alignas(32) float own[D * 8];  // [D][8 keys], without a stage
   const int64_t n = i1 - i0;
   for (int64_t j0 = 0; j0 < n; j0 += 8) {
-    const int64_t nk = std::min<int64_t>(8, n - j0);
-    for (int d = 0; d < 2 * ND; ++d) {
-      __m256 rows[8], cols[8];
-      for (int j = 0; j < 8; ++j)
-        rows[j] = j < nk ? load8(c.krow(keys.slot(i0 + j0 + j), g) + 8 * d) : _mm256_setzero_ps();
-      transpose8(rows, cols);
-      for (int e = 0; e < 8; ++e) _mm256_store_ps(kt + (8 * d + e) * 8, cols[e]);
-    }
+    const float* kt = st ? st->kt + j0 * D : own;
+    if (!st) transpose_keys<T, ND>(c, g, keys, i0, j0, n, own);
     switch (nq) {  // a constant count keeps the accumulators in registers without branches
       case 8: block_scores<D, 8>(kt, qs, scale, sc, j0); break;
       case 7: block_scores<D, 7>(kt, qs, scale, sc, j0); break;
@@ -297,10 +337,10 @@ void chunk_partial(const Cache<T>& c, int64_t g, const float* const* qs, int nq,
   // Values: 4 queries x 16 dims a pass, so each value load (and bf16 widening) serves 4 queries.
   for (int q0 = 0; q0 < nq; q0 += 4) {
     switch (std::min(4, nq - q0)) {
-      case 4: value_sums<T, ND, 4>(c, g, keys, i0, n, sc + q0, out + q0); break;
-      case 3: value_sums<T, ND, 3>(c, g, keys, i0, n, sc + q0, out + q0); break;
-      case 2: value_sums<T, ND, 2>(c, g, keys, i0, n, sc + q0, out + q0); break;
-      default: value_sums<T, ND, 1>(c, g, keys, i0, n, sc + q0, out + q0); break;
+      case 4: value_sums<T, ND, 4>(c, g, keys, i0, n, st, sc + q0, out + q0); break;
+      case 3: value_sums<T, ND, 3>(c, g, keys, i0, n, st, sc + q0, out + q0); break;
+      case 2: value_sums<T, ND, 2>(c, g, keys, i0, n, st, sc + q0, out + q0); break;
+      default: value_sums<T, ND, 1>(c, g, keys, i0, n, st, sc + q0, out + q0); break;
     }
   }
 }
@@ -539,11 +579,52 @@ bool use_amx(int64_t D) {
 #endif
 }
 
+// Whether the vector paths can stage a chunk of head size D (they run D = 16, 32, 64, 128).
+inline bool stages_run(int64_t D) {
+#if defined(__AVX512F__) || NGRAMSPEC_AVX2
+  return D == 16 || D == 32 || D == 64 || D == 128;
+#else
+  (void)D;
+  return false;
+#endif
+}
+
+#if defined(__AVX512F__) || NGRAMSPEC_AVX2
+template <typename T, int ND>
+void fill_stage(const Cache<T>& c, int64_t g, const KeyList& keys, int64_t i0, float* kt, float* v) {
+  constexpr int D = ND * 16;
+  for (int64_t j0 = 0; j0 < kChunk; j0 += kKeyBlock) transpose_keys<T, ND>(c, g, keys, i0, j0, kChunk, kt + j0 * D);
+  if (v == nullptr) return;
+  for (int64_t j = 0; j < kChunk; ++j) {
+    const T* r = c.vrow(keys.slot(i0 + j), g);
+    for (int d = 0; d < D; ++d) v[j * D + d] = to_float(r[d]);
+  }
+}
+#endif
+
+// Stages the full chunk at list index i0 (kChunk keys): kt [kChunk * D], v [kChunk * D] or
+// nullptr (a float32 cache's rows serve as they are).
+template <typename T>
+void stage_chunk(const Cache<T>& c, int64_t g, const KeyList& keys, int64_t i0, float* kt, float* v) {
+#if defined(__AVX512F__) || NGRAMSPEC_AVX2
+  switch (c.D) {
+    case 64: return fill_stage<T, 4>(c, g, keys, i0, kt, v);
+    case 128: return fill_stage<T, 8>(c, g, keys, i0, kt, v);
+    case 16: return fill_stage<T, 1>(c, g, keys, i0, kt, v);
+    case 32: return fill_stage<T, 2>(c, g, keys, i0, kt, v);
+    default: break;
+  }
+#endif
+  (void)c, (void)g, (void)keys, (void)i0, (void)kt, (void)v;
+}
+
 // Chunk `chunk` of the key list for nq queries that share it; query q sees its first lens[q]
-// keys (the AMX path's causal sharing; elsewhere every query sees the whole chunk).
+// keys (the AMX path's causal sharing; elsewhere every query sees the whole chunk). `st`: the
+// chunk staged, or nullptr.
 template <typename T>
 void partials(const Cache<T>& c, int64_t g, const float* const* qs, const int64_t* lens, int nq,
-              const KeyList& keys, int64_t chunk, float scale, bool amx, float* const* out) {
+              const KeyList& keys, int64_t chunk, float scale, bool amx, const Stage* st,
+              float* const* out) {
   const int64_t i0 = chunk * kChunk, i1 = std::min(keys.L, i0 + kChunk);
 #if defined(NGRAMSPEC_AMX)
   if constexpr (std::is_same_v<T, c10::BFloat16>)
@@ -551,12 +632,13 @@ void partials(const Cache<T>& c, int64_t g, const float* const* qs, const int64_
 #endif
   (void)lens;
   (void)amx;
+  (void)st;
 #if defined(__AVX512F__) || NGRAMSPEC_AVX2
   switch (c.D) {
-    case 64: return chunk_partial<T, 4>(c, g, qs, nq, keys, i0, i1, scale, out);
-    case 128: return chunk_partial<T, 8>(c, g, qs, nq, keys, i0, i1, scale, out);
-    case 16: return chunk_partial<T, 1>(c, g, qs, nq, keys, i0, i1, scale, out);
-    case 32: return chunk_partial<T, 2>(c, g, qs, nq, keys, i0, i1, scale, out);
+    case 64: return chunk_partial<T, 4>(c, g, qs, nq, keys, i0, i1, scale, st, out);
+    case 128: return chunk_partial<T, 8>(c, g, qs, nq, keys, i0, i1, scale, st, out);
+    case 16: return chunk_partial<T, 1>(c, g, qs, nq, keys, i0, i1, scale, st, out);
+    case 32: return chunk_partial<T, 2>(c, g, qs, nq, keys, i0, i1, scale, st, out);
     default: break;
   }
 #endif
@@ -581,6 +663,19 @@ struct Item {
   int64_t chunk, group, list_token;  // list_token: the longest key list of the item's tokens
   int nq;
   int64_t tokens[kMaxQ], heads[kMaxQ];
+  bool shared = false;  // its tokens' lists agree over the whole chunk
+  int64_t stage = -1;   // the chunk's stage (run's `stages`), or none
+};
+
+// Batches of queries sharing a chunk from which staging it pays: a few batches (a draft tree's
+// 8 tokens) read their keys faster from the cache than from a stage written for them.
+constexpr int kStageFrom = 4;
+
+// A chunk to stage before the items run: kv head `group`, keys [i0, i0 + kChunk) of `keys`.
+struct StageAt {
+  int64_t group;
+  const KeyList* keys;
+  int64_t i0;
 };
 
 template <typename T>
@@ -607,6 +702,8 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   std::vector<KeyList> lists(Tq);
   std::vector<int64_t> base(Tq + 1, 0);
   std::vector<Item> items;
+  const bool staging = !amx && stages_run(D);
+  std::vector<StageAt> stages;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t P = po[b + 1] - po[b];
     int64_t most = 0;
@@ -622,6 +719,7 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
     // chunk-major, so a thread's consecutive items reuse the same keys from cache
     for (int64_t c = 0; c < most; ++c) {
       for (int64_t g = 0; g < KVH; ++g) {
+        const size_t first = items.size();
         Item it{c, g, so[b], 0, {}, {}};
         auto flush = [&]() { if (it.nq) { items.push_back(it); it.nq = 0; } };
         for (int64_t t = so[b]; t < so[b + 1]; ++t) {
@@ -631,6 +729,7 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
           // covers the chunk, or on the AMX path wherever it reaches into it (lengths per query).
           const bool shared = cz[b] ? amx || (c + 1) * kChunk <= lists[t].L : (c + 1) * kChunk <= P;
           if (!shared) flush();
+          it.shared = shared;
           for (int64_t h = g * G; h < (g + 1) * G; ++h) {
             it.list_token = t;  // tokens come in order: in a causal chunk, the longest list last
             it.tokens[it.nq] = t;
@@ -640,6 +739,13 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
           if (!shared) flush();
         }
         flush();
+        // Many batches of queries over the same full chunk: stage it once for them.
+        const auto shared_from = std::find_if(items.begin() + first, items.end(), [](const Item& i) { return i.shared; });
+        if (staging && std::count_if(shared_from, items.end(), [](const Item& i) { return i.shared; }) >= kStageFrom) {
+          for (auto i = shared_from; i != items.end(); ++i)
+            if (i->shared) i->stage = static_cast<int64_t>(stages.size());
+          stages.push_back({g, &lists[shared_from->list_token], c * kChunk});
+        }
       }
     }
   }
@@ -658,6 +764,21 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   auto part_of = [&](int64_t t, int64_t h, int64_t c) {
     return parts.get() + ((base[t] + c) * H + h) * stride;
   };
+  // The staged chunks, 64-byte aligned (the key blocks are read with aligned loads).
+  const bool widen = !std::is_same_v<T, float>;
+  const int64_t span = kChunk * D, n_stages = static_cast<int64_t>(stages.size());
+  const std::unique_ptr<float[]> stage_mem(
+      n_stages ? new float[static_cast<size_t>(n_stages * span * (widen ? 2 : 1) + 16)] : nullptr);
+  std::vector<Stage> staged(stages.size());
+  if (n_stages) {
+    float* at = stage_mem.get() + (-reinterpret_cast<uintptr_t>(stage_mem.get()) / sizeof(float)) % 16;
+    for (int64_t i = 0; i < n_stages; ++i) staged[i] = {at + i * span, widen ? at + (n_stages + i) * span : nullptr};
+    at::parallel_for(0, n_stages, 1, [&](int64_t s0, int64_t s1) {
+      for (int64_t i = s0; i < s1; ++i)
+        stage_chunk<T>(cache, stages[i].group, *stages[i].keys, stages[i].i0, const_cast<float*>(staged[i].kt),
+                       const_cast<float*>(staged[i].v));
+    });
+  }
   // Items differ in cost (a shared prefix chunk of 32 queries vs a tree token's few own keys), so
   // threads take them one at a time in order (chunk-major: neighbours share keys) rather than in
   // fixed ranges. Which thread computes an item does not change its numbers.
@@ -678,7 +799,8 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
         outs[q] = part_of(it.tokens[q], it.heads[q], it.chunk);
         lens[q] = std::min(lists[it.tokens[q]].L - it.chunk * kChunk, kChunk);
       }
-      partials<T>(cache, it.group, qs, lens, it.nq, lists[it.list_token], it.chunk, sc, amx, outs);
+      partials<T>(cache, it.group, qs, lens, it.nq, lists[it.list_token], it.chunk, sc, amx,
+                  it.stage >= 0 ? &staged[it.stage] : nullptr, outs);
     }
 #if defined(NGRAMSPEC_AMX)
     if (amx) _tile_release();
