@@ -109,10 +109,6 @@ inline void transpose16(const __m512* r, __m512* c) {
   }
 }
 
-// Partial softmax attention of nq <= kMaxQVector queries (ND * 16 dims each) over the same list
-// indices [i0, i1) (i0 % 16 == 0): out[n] = [max, sum, acc[0 .. D)], acc = sum_i exp(s_i - max) v_i.
-// Keys go through in transposed 16-key blocks, so a score is one FMA chain over the dims in
-// order, and every block's key loads serve all nq queries. A query's numbers do not depend on nq.
 constexpr int kKeyBlock = 16;
 
 // Keys [j0, j0 + 16) of the chunk at list index i0, transposed into kt [D][16] (zeros past n).
@@ -129,6 +125,11 @@ void transpose_keys(const Cache<T>& c, int64_t g, const KeyList& keys, int64_t i
   }
 }
 
+// Partial softmax attention of nq <= kMaxQVector queries (ND * 16 dims each) over the same list
+// indices [i0, i1) (i0 % 16 == 0): out[n] = [max, sum, acc[0 .. D)], acc = sum_i exp(s_i - max) v_i.
+// Keys go through in transposed 16-key blocks, so a score is one FMA chain over the dims in
+// order, and every block's key loads serve all nq queries. A query's numbers do not depend on nq.
+// `st`: the chunk staged (keys transposed, values widened), or nullptr to read the cache.
 template <typename T, int ND>
 void chunk_partial(const Cache<T>& c, int64_t g, const float* const* qs, int nq, const KeyList& keys,
                    int64_t i0, int64_t i1, float scale, const Stage* st, float* const* out) {
