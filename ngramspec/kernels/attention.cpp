@@ -770,16 +770,15 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   const int64_t span = kChunk * D, n_stages = static_cast<int64_t>(stages.size());
   const std::unique_ptr<float[]> stage_mem(
       n_stages ? new float[static_cast<size_t>(n_stages * span * (widen ? 2 : 1) + 16)] : nullptr);
+  float* const at = n_stages ? stage_mem.get() + (-reinterpret_cast<uintptr_t>(stage_mem.get()) / sizeof(float)) % 16
+                             : nullptr;
+  auto kt_of = [&](int64_t i) { return at + i * span; };
+  auto v_of = [&](int64_t i) { return widen ? at + (n_stages + i) * span : nullptr; };
+  at::parallel_for(0, n_stages, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t i = s0; i < s1; ++i) stage_chunk<T>(cache, stages[i].group, *stages[i].keys, stages[i].i0, kt_of(i), v_of(i));
+  });
   std::vector<Stage> staged(stages.size());
-  if (n_stages) {
-    float* at = stage_mem.get() + (-reinterpret_cast<uintptr_t>(stage_mem.get()) / sizeof(float)) % 16;
-    for (int64_t i = 0; i < n_stages; ++i) staged[i] = {at + i * span, widen ? at + (n_stages + i) * span : nullptr};
-    at::parallel_for(0, n_stages, 1, [&](int64_t s0, int64_t s1) {
-      for (int64_t i = s0; i < s1; ++i)
-        stage_chunk<T>(cache, stages[i].group, *stages[i].keys, stages[i].i0, const_cast<float*>(staged[i].kt),
-                       const_cast<float*>(staged[i].v));
-    });
-  }
+  for (int64_t i = 0; i < n_stages; ++i) staged[i] = {kt_of(i), v_of(i)};
   // Items differ in cost (a shared prefix chunk of 32 queries vs a tree token's few own keys), so
   // threads take them one at a time in order (chunk-major: neighbours share keys) rather than in
   // fixed ranges. Which thread computes an item does not change its numbers.
