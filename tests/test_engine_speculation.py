@@ -30,11 +30,22 @@ def spec_llm(llm):
     return LLM(num_threads=2, dtype="float32", speculative="ngram", verify_cost=FLAT_COST)
 
 
-def test_greedy_spec_equals_plain_on_many_prompts(llm, spec_llm):
+@pytest.fixture(scope="module")
+def plain_runs(llm):
+    """Plain greedy outputs of every spec prompt, batched, by name. A greedy output cut at n tokens
+    is the output asked for with max_tokens=n (rows are batch-invariant), so the tests that ask for
+    fewer tokens compare against its first n."""
+    prompts = spec_prompts()
+    params = [SamplingParams(temperature=0, max_tokens=m) for _, _, m in prompts]
+    outs = llm.generate([p for _, p, _ in prompts], params)
+    return {name: out for (name, _, _), out in zip(prompts, outs)}
+
+
+def test_greedy_spec_equals_plain_on_many_prompts(llm, spec_llm, plain_runs):
     prompts = spec_prompts()
     assert len(prompts) >= 20
     params = [SamplingParams(temperature=0, max_tokens=m) for _, _, m in prompts]
-    plain = llm.generate([p for _, p, _ in prompts], params)
+    plain = [plain_runs[name] for name, _, _ in prompts]
     spec = spec_llm.generate([p for _, p, _ in prompts], params)
     assert any(len(o.token_ids) >= 256 for o in plain), "needs long outputs"
     assert spec_llm.engine.stats.num_accepted_tokens > 0, "speculation never accepted anything"
@@ -43,10 +54,10 @@ def test_greedy_spec_equals_plain_on_many_prompts(llm, spec_llm):
         assert a.finish_reason == b.finish_reason or first_difference(a.token_ids, b.token_ids)
 
 
-def test_greedy_spec_equals_plain_with_staggered_arrivals(llm, spec_llm):
+def test_greedy_spec_equals_plain_with_staggered_arrivals(llm, spec_llm, plain_runs):
     prompts = spec_prompts()[::3]
     params = SamplingParams(temperature=0, max_tokens=64)
-    alone = [llm.generate(p, params)[0].token_ids for _, p, _ in prompts]
+    alone = [plain_runs[name].token_ids[:64] for name, _, _ in prompts]
     engine = spec_llm.engine
     seqs = []
     for _, prompt, _ in prompts:  # one new request every two steps, while others decode
@@ -59,7 +70,7 @@ def test_greedy_spec_equals_plain_with_staggered_arrivals(llm, spec_llm):
         check_divergence(llm, name, prompt, seq.output_ids, ref)
 
 
-def test_greedy_spec_equals_plain_with_threaded_drafting(llm, monkeypatch):
+def test_greedy_spec_equals_plain_with_threaded_drafting(llm, plain_runs, monkeypatch):
     """--draft-threads: the batch's trees built on two threads beside torch's own; output as
     plain decoding, and the threaded kernel really ran."""
     from ngramspec.drafting.kernels import native
@@ -82,12 +93,12 @@ def test_greedy_spec_equals_plain_with_threaded_drafting(llm, monkeypatch):
     monkeypatch.setattr(native(), "Drafter", Counted)
     prompts = spec_prompts()[:12]
     params = SamplingParams(temperature=0, max_tokens=48)
-    plain = llm.generate([p for _, p, _ in prompts], params)
+    plain = [plain_runs[name].token_ids[:48] for name, _, _ in prompts]
     spec = LLM(num_threads=2, dtype="float32", speculative="ngram", verify_cost=FLAT_COST,
                draft_threads=2).generate([p for _, p, _ in prompts], params)
     assert calls and max(calls) >= 8
     for (name, prompt, _), a, b in zip(prompts, spec, plain):
-        check_divergence(llm, name, prompt, a.token_ids, b.token_ids)
+        check_divergence(llm, name, prompt, a.token_ids, b)
 
 
 def test_learning_during_the_forward_changes_nothing(tiny_model_dirs, monkeypatch):
