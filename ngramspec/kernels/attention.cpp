@@ -68,12 +68,12 @@ struct Cache {
   inline const T* vrow(int64_t slot, int64_t g) const { return v + (slot * KVH + g) * D; }
 };
 
-// A chunk's keys transposed (the vector paths' key blocks, [n / block][D][block]) and its values
-// widened to float32 ([n][D]), made once for every batch of queries that shares the chunk: a
-// prefill chunk's keys serve hundreds of queries, a draft tree's prefix chunk a few batches.
+// A chunk's keys in the vector path's layout (AVX-512: transposed 16-key blocks, [n / 16][D][16];
+// AVX2: float32 rows, [n][D]) and (AVX-512) its values widened to float32 ([n][D]), made once for
+// every batch of queries that shares the chunk: a prefill chunk's keys serve hundreds of queries.
 // The same floats the inline path makes per batch, so the numbers do not change.
 struct Stage {
-  const float* kt;
+  const float* k;
   const float* v;  // nullptr: the cache's own float32 rows
 };
 
@@ -113,8 +113,8 @@ constexpr int kKeyBlock = 16;
 
 // Keys [j0, j0 + 16) of the chunk at list index i0, transposed into kt [D][16] (zeros past n).
 template <typename T, int ND>
-void transpose_keys(const Cache<T>& c, int64_t g, const KeyList& keys, int64_t i0, int64_t j0, int64_t n,
-                    float* kt) {
+void stage_keys(const Cache<T>& c, int64_t g, const KeyList& keys, int64_t i0, int64_t j0, int64_t n,
+                float* kt) {
   const int64_t nk = std::min<int64_t>(16, n - j0);
   for (int d = 0; d < ND; ++d) {
     __m512 rows[16], cols[16];
@@ -138,8 +138,8 @@ void chunk_partial(const Cache<T>& c, int64_t g, const float* const* qs, int nq,
   alignas(64) float own[D * 16];  // [D][16 keys], without a stage
   const int64_t n = i1 - i0;
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const float* kt = st ? st->kt + j0 * D : own;
-    if (!st) transpose_keys<T, ND>(c, g, keys, i0, j0, n, own);
+    const float* kt = st ? st->k + j0 * D : own;
+    if (!st) stage_keys<T, ND>(c, g, keys, i0, j0, n, own);
     __m512 acc[kMaxQVector];
     for (int q = 0; q < nq; ++q) acc[q] = _mm512_setzero_ps();
     for (int d = 0; d < D; ++d) {
@@ -196,34 +196,18 @@ void chunk_partial(const Cache<T>& c, int64_t g, const float* const* qs, int nq,
 
 #if NGRAMSPEC_AVX2
 
-// The AVX-512 chunk_partial's arithmetic on AVX2, lane for lane (so the same numbers): a score
-// is the same FMA chain over the dims (keys in lanes, 8 at a time), exp8 is exp16's arithmetic,
-// the sums keep 16 lanes (ngramspec::V16) and reduce in _mm512_reduce_add_ps's order, and a
-// value sum is the same FMA chain over the keys. With 16 registers, one query per pass over the
-// values.
+// The AVX2 partial. Scores read each key as a row (no transpose: on a decode's 3 queries the
+// transposes cost more than the products). A score is 8 lane chains over the dims (lane l: dims
+// l, l + 8, ... in order), then the lanes summed as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) +
+// (l6 + l7)); eight_scores is the only place a score is formed, so every batch of queries,
+// decode, tree or prefill chunk, gets the same numbers. The softmax and the value sums are the
+// AVX-512 path's, lane for lane: exp8 is exp16's arithmetic, the sums keep 16 lanes
+// (ngramspec::V16) and reduce in _mm512_reduce_add_ps's order, and a value sum is one FMA chain
+// over the keys.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
-// 8 x 8 transpose: c[j] lane i = r[i] lane j.
-inline void transpose8(const __m256* r, __m256* c) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int m = 0; m < 2; ++m) {
-    u[4 * m + 0] = _mm256_shuffle_ps(t[4 * m], t[4 * m + 2], 0x44);
-    u[4 * m + 1] = _mm256_shuffle_ps(t[4 * m], t[4 * m + 2], 0xEE);
-    u[4 * m + 2] = _mm256_shuffle_ps(t[4 * m + 1], t[4 * m + 3], 0x44);
-    u[4 * m + 3] = _mm256_shuffle_ps(t[4 * m + 1], t[4 * m + 3], 0xEE);
-  }
-  for (int k = 0; k < 4; ++k) {
-    c[k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x20);
-    c[4 + k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x31);
-  }
 }
 
 // Lanes [0, n) all ones, the rest zero (n in [0, 8]).
@@ -232,17 +216,19 @@ inline __m256 first_lanes(int64_t n) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), idx));
 }
 
-// Scores of NQ queries against one transposed 8-key block (kt: [D][8 keys]), scaled, into
-// sc[q][j0 .. j0 + 8): each score one FMA chain over the dims in order.
-template <int D, int NQ>
-inline void block_scores(const float* kt, const float* const* qs, float scale, float (*sc)[kChunk], int64_t j0) {
-  __m256 acc[NQ];
-  for (int q = 0; q < NQ; ++q) acc[q] = _mm256_setzero_ps();
-  for (int d = 0; d < D; ++d) {
-    const __m256 kd = _mm256_load_ps(kt + d * 8);
-    for (int q = 0; q < NQ; ++q) acc[q] = _mm256_fmadd_ps(_mm256_set1_ps(qs[q][d]), kd, acc[q]);
+// Scores of query q against the 8 key rows k[0..8) (float32, D8 * 8 dims), unscaled: key j in
+// lane j. The hadd tree sums each key's 8 lane chains in the one order given above.
+template <int D8>
+inline __m256 eight_scores(const float* q, const float* const* k) {
+  __m256 a[8];
+  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+  for (int i = 0; i < D8; ++i) {
+    const __m256 qi = _mm256_loadu_ps(q + 8 * i);
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k[j] + 8 * i), a[j]);
   }
-  for (int q = 0; q < NQ; ++q) _mm256_store_ps(sc[q] + j0, _mm256_mul_ps(acc[q], _mm256_set1_ps(scale)));
+  const __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));  // keys 0-3
+  const __m256 hi = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));  // keys 4-7
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 
 // out[q][2 ..] = sum over the n keys of p[q][j] * v_j for NQ queries, 16 dims a pass: one FMA
@@ -270,17 +256,34 @@ inline void value_sums(const Rows& row, int64_t n, const float (*p)[kChunk], flo
 
 constexpr int kKeyBlock = 8;
 
-// Keys [j0, j0 + 8) of the chunk at list index i0, transposed into kt [D][8] (zeros past n).
+// A row of zeros for the keys past a chunk's end (their scores are masked off).
+alignas(32) constexpr float kZeroRow[256] = {};
+
+// Keys [j0, j0 + 8) of the chunk at list index i0 widened to float32 rows, dst [8][D] (zeros past n).
 template <typename T, int ND>
-void transpose_keys(const Cache<T>& c, int64_t g, const KeyList& keys, int64_t i0, int64_t j0, int64_t n,
-                    float* kt) {
-  const int64_t nk = std::min<int64_t>(8, n - j0);
-  for (int d = 0; d < 2 * ND; ++d) {
-    __m256 rows[8], cols[8];
-    for (int j = 0; j < 8; ++j)
-      rows[j] = j < nk ? load8(c.krow(keys.slot(i0 + j0 + j), g) + 8 * d) : _mm256_setzero_ps();
-    transpose8(rows, cols);
-    for (int e = 0; e < 8; ++e) _mm256_store_ps(kt + (8 * d + e) * 8, cols[e]);
+void stage_keys(const Cache<T>& c, int64_t g, const KeyList& keys, int64_t i0, int64_t j0, int64_t n,
+                float* dst) {
+  constexpr int D = ND * 16;
+  for (int64_t j = 0; j < 8; ++j)
+    for (int d = 0; d < D; d += 8)
+      _mm256_store_ps(dst + j * D + d, j0 + j < n ? load8(c.krow(keys.slot(i0 + j0 + j), g) + d) : _mm256_setzero_ps());
+}
+
+// Row pointers of keys [j0, j0 + 8): a stage's rows, a float32 cache's own rows, or rows widened
+// into `own` [8][D]; the zero row past n.
+template <typename T, int ND>
+void key_rows(const Cache<T>& c, int64_t g, const KeyList& keys, int64_t i0, int64_t j0, int64_t n,
+              const Stage* st, float* own, const float** rows) {
+  constexpr int D = ND * 16;
+  if (st) {
+    for (int64_t j = 0; j < 8; ++j) rows[j] = st->k + (j0 + j) * D;
+    return;
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t j = 0; j < 8; ++j) rows[j] = j0 + j < n ? c.krow(keys.slot(i0 + j0 + j), g) : kZeroRow;
+  } else {
+    stage_keys<T, ND>(c, g, keys, i0, j0, n, own);
+    for (int64_t j = 0; j < 8; ++j) rows[j] = own + j * D;
   }
 }
 
@@ -297,21 +300,13 @@ void chunk_partial(const Cache<T>& c, int64_t g, const float* const* qs, int nq,
                    int64_t i0, int64_t i1, float scale, const Stage* st, float* const* out) {
   constexpr int D = ND * 16;
   alignas(32) float sc[kMaxQVector][kChunk];
-  alignas(32) float own[D * 8];  // [D][8 keys], without a stage
+  alignas(32) float own[8 * D];  // [8 keys][D] widened, without a stage
   const int64_t n = i1 - i0;
   for (int64_t j0 = 0; j0 < n; j0 += 8) {
-    const float* kt = st ? st->kt + j0 * D : own;
-    if (!st) transpose_keys<T, ND>(c, g, keys, i0, j0, n, own);
-    switch (nq) {  // a constant count keeps the accumulators in registers without branches
-      case 8: block_scores<D, 8>(kt, qs, scale, sc, j0); break;
-      case 7: block_scores<D, 7>(kt, qs, scale, sc, j0); break;
-      case 6: block_scores<D, 6>(kt, qs, scale, sc, j0); break;
-      case 5: block_scores<D, 5>(kt, qs, scale, sc, j0); break;
-      case 4: block_scores<D, 4>(kt, qs, scale, sc, j0); break;
-      case 3: block_scores<D, 3>(kt, qs, scale, sc, j0); break;
-      case 2: block_scores<D, 2>(kt, qs, scale, sc, j0); break;
-      default: block_scores<D, 1>(kt, qs, scale, sc, j0); break;
-    }
+    const float* rows[8];
+    key_rows<T, ND>(c, g, keys, i0, j0, n, st, own, rows);
+    for (int q = 0; q < nq; ++q)
+      _mm256_store_ps(sc[q] + j0, _mm256_mul_ps(eight_scores<2 * ND>(qs[q], rows), _mm256_set1_ps(scale)));
   }
   for (int q = 0; q < nq; ++q) {  // softmax numerators and sums, per query
     __m256 vmax = _mm256_set1_ps(-INFINITY);
@@ -580,10 +575,12 @@ bool use_amx(int64_t D) {
 #endif
 }
 
-// Whether the vector paths can stage a chunk of head size D (they run D = 16, 32, 64, 128).
-inline bool stages_run(int64_t D) {
+// Whether the vector paths stage a chunk of head size D (they run D = 16, 32, 64, 128) from a
+// cache of dtype T. AVX2 reads a float32 cache's key rows as they are: nothing to stage.
+template <typename T>
+bool stages_run(int64_t D) {
 #if defined(__AVX512F__) || NGRAMSPEC_AVX2
-  return D == 16 || D == 32 || D == 64 || D == 128;
+  return (D == 16 || D == 32 || D == 64 || D == 128) && (!NGRAMSPEC_AVX2 || !std::is_same_v<T, float>);
 #else
   (void)D;
   return false;
@@ -592,9 +589,9 @@ inline bool stages_run(int64_t D) {
 
 #if defined(__AVX512F__) || NGRAMSPEC_AVX2
 template <typename T, int ND>
-void fill_stage(const Cache<T>& c, int64_t g, const KeyList& keys, int64_t i0, float* kt, float* v) {
+void fill_stage(const Cache<T>& c, int64_t g, const KeyList& keys, int64_t i0, float* k, float* v) {
   constexpr int D = ND * 16;
-  for (int64_t j0 = 0; j0 < kChunk; j0 += kKeyBlock) transpose_keys<T, ND>(c, g, keys, i0, j0, kChunk, kt + j0 * D);
+  for (int64_t j0 = 0; j0 < kChunk; j0 += kKeyBlock) stage_keys<T, ND>(c, g, keys, i0, j0, kChunk, k + j0 * D);
   if (v == nullptr) return;
   for (int64_t j = 0; j < kChunk; ++j) {
     const T* r = c.vrow(keys.slot(i0 + j), g);
@@ -603,20 +600,20 @@ void fill_stage(const Cache<T>& c, int64_t g, const KeyList& keys, int64_t i0, f
 }
 #endif
 
-// Stages the full chunk at list index i0 (kChunk keys): kt [kChunk * D], v [kChunk * D] or
+// Stages the full chunk at list index i0 (kChunk keys): k [kChunk * D], v [kChunk * D] or
 // nullptr (a float32 cache's rows serve as they are).
 template <typename T>
-void stage_chunk(const Cache<T>& c, int64_t g, const KeyList& keys, int64_t i0, float* kt, float* v) {
+void stage_chunk(const Cache<T>& c, int64_t g, const KeyList& keys, int64_t i0, float* k, float* v) {
 #if defined(__AVX512F__) || NGRAMSPEC_AVX2
   switch (c.D) {
-    case 64: return fill_stage<T, 4>(c, g, keys, i0, kt, v);
-    case 128: return fill_stage<T, 8>(c, g, keys, i0, kt, v);
-    case 16: return fill_stage<T, 1>(c, g, keys, i0, kt, v);
-    case 32: return fill_stage<T, 2>(c, g, keys, i0, kt, v);
+    case 64: return fill_stage<T, 4>(c, g, keys, i0, k, v);
+    case 128: return fill_stage<T, 8>(c, g, keys, i0, k, v);
+    case 16: return fill_stage<T, 1>(c, g, keys, i0, k, v);
+    case 32: return fill_stage<T, 2>(c, g, keys, i0, k, v);
     default: break;
   }
 #endif
-  (void)c, (void)g, (void)keys, (void)i0, (void)kt, (void)v;
+  (void)c, (void)g, (void)keys, (void)i0, (void)k, (void)v;
 }
 
 // Chunk `chunk` of the key list for nq queries that share it; query q sees its first lens[q]
@@ -703,7 +700,7 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   std::vector<KeyList> lists(Tq);
   std::vector<int64_t> base(Tq + 1, 0);
   std::vector<Item> items;
-  const bool staging = !amx && stages_run(D);
+  const bool staging = !amx && stages_run<T>(D);
   std::vector<StageAt> stages;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t P = po[b + 1] - po[b];
@@ -766,19 +763,21 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
     return parts.get() + ((base[t] + c) * H + h) * stride;
   };
   // The staged chunks, 64-byte aligned (the key blocks are read with aligned loads).
-  const bool widen = !std::is_same_v<T, float>;
+  // AVX2 widens a bf16 cache's values as it reads them: float32 values are twice the bytes, a
+  // chunk's no longer fit in L1 for the value passes, and staging them ran slower.
+  const bool widen = !std::is_same_v<T, float> && !NGRAMSPEC_AVX2;
   const int64_t span = kChunk * D, n_stages = static_cast<int64_t>(stages.size());
   const std::unique_ptr<float[]> stage_mem(
       n_stages ? new float[static_cast<size_t>(n_stages * span * (widen ? 2 : 1) + 16)] : nullptr);
   float* const at = n_stages ? stage_mem.get() + (-reinterpret_cast<uintptr_t>(stage_mem.get()) / sizeof(float)) % 16
                              : nullptr;
-  auto kt_of = [&](int64_t i) { return at + i * span; };
+  auto k_of = [&](int64_t i) { return at + i * span; };
   auto v_of = [&](int64_t i) { return widen ? at + (n_stages + i) * span : nullptr; };
   at::parallel_for(0, n_stages, 1, [&](int64_t s0, int64_t s1) {
-    for (int64_t i = s0; i < s1; ++i) stage_chunk<T>(cache, stages[i].group, *stages[i].keys, stages[i].i0, kt_of(i), v_of(i));
+    for (int64_t i = s0; i < s1; ++i) stage_chunk<T>(cache, stages[i].group, *stages[i].keys, stages[i].i0, k_of(i), v_of(i));
   });
   std::vector<Stage> staged(stages.size());
-  for (int64_t i = 0; i < n_stages; ++i) staged[i] = {kt_of(i), v_of(i)};
+  for (int64_t i = 0; i < n_stages; ++i) staged[i] = {k_of(i), v_of(i)};
   // Items differ in cost (a shared prefix chunk of 32 queries vs a tree token's few own keys), so
   // threads take them one at a time in order (chunk-major: neighbours share keys) rather than in
   // fixed ranges. Which thread computes an item does not change its numbers.
