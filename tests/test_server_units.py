@@ -846,3 +846,33 @@ def test_vllm_spec_decode_counters_follow_the_verify_steps() -> None:
     assert values["ngramspec_spec_accepted_tokens_total"] == 10  # the engine's own count agrees
     assert values["vllm:num_requests_running" + label] == 1
     assert values["vllm:kv_cache_usage_perc" + label] == 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3), st.floats(0.0, 0.03)), min_size=1, max_size=40))
+def test_held_events_of_a_non_streamed_request_lose_and_reorder_nothing(steps) -> None:
+    """A non-streamed request's events on the engine thread: the first goes out at once, later
+    ones at most HOLD_S apart, the finish flushes the rest; together they are every step's tokens
+    and logprobs in order."""
+    from ngramspec.server.async_engine import HOLD_S, AsyncEngine, Held, TokenEvent
+
+    engine = AsyncEngine.__new__(AsyncEngine)  # only the holding state, no model
+    engine._held = {"r": Held()}
+    sent, made, now, last_sent = [], [], 0.0, None
+    for i, (n, gap) in enumerate(steps):
+        now += gap
+        ids = list(range(len(made), len(made) + n))
+        made += ids
+        final = i == len(steps) - 1
+        out = engine._hold("r", TokenEvent(ids, "length" if final else None, logprobs=ids), now)
+        if i == 0 or final:
+            assert out is not None, "the first and the last tokens go out at once"
+        if out is not None:
+            assert out.logprobs == out.token_ids
+            sent.append(out)
+            last_sent = now
+        else:
+            assert now - (last_sent or 0.0) < HOLD_S + 0.03 + 1e-9
+    assert [t for e in sent for t in e.token_ids] == made
+    assert [e.finished for e in sent] == [False] * (len(sent) - 1) + [True]
+    assert "r" not in engine._held

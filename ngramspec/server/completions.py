@@ -298,7 +298,7 @@ async def _admit(state: ServerState, req: Any, kind: str, prompts: list[list[int
             # the engine's id of each prompt; the response keeps request_id
             engine_id = request_id if len(prompts) == 1 else f"{request_id}-{p}"
             streams = await _add(state, kind, engine_id, prompt_ids, prompt_params, references,
-                                 p if len(prompts) > 1 else None)
+                                 p if len(prompts) > 1 else None, bool(req.stream))
             state.metrics.on_prompt(len(prompt_ids))
             for i, stream in enumerate(streams):
                 gen = Generation(kind, request_id, state.model_name, created, len(prompt_ids),
@@ -320,9 +320,9 @@ async def _admit(state: ServerState, req: Any, kind: str, prompts: list[list[int
 
 async def _add(state: ServerState, kind: str, engine_id: str, prompt_ids: list[int],
                params: Any, references: list[list[int]] | None,
-               index: int | None) -> list[RequestStream]:
+               index: int | None, stream: bool) -> list[RequestStream]:
     try:
-        return await state.engine.add_choices(engine_id, prompt_ids, params, references)
+        return await state.engine.add_choices(engine_id, prompt_ids, params, references, stream)
     except EngineStopped as e:
         raise ApiError(503, str(e), type="server_error", code="shutting_down") from e
     except ValueError as e:  # the engine's own checks: prompt vs context, KV capacity
