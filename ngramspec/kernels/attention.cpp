@@ -587,6 +587,14 @@ bool stages_run(int64_t D) {
 #endif
 }
 
+// Whether a stage also holds the values widened to float32. Not on AVX2, which widens a bf16
+// cache's values as it reads them: float32 values are twice the bytes, and a chunk's would no
+// longer fit in L1 for the value passes.
+template <typename T>
+constexpr bool stages_values() {
+  return !std::is_same_v<T, float> && !NGRAMSPEC_AVX2;
+}
+
 #if defined(__AVX512F__) || NGRAMSPEC_AVX2
 template <typename T, int ND>
 void fill_stage(const Cache<T>& c, int64_t g, const KeyList& keys, int64_t i0, float* k, float* v) {
@@ -763,9 +771,7 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
     return parts.get() + ((base[t] + c) * H + h) * stride;
   };
   // The staged chunks, 64-byte aligned (the key blocks are read with aligned loads).
-  // AVX2 widens a bf16 cache's values as it reads them: float32 values are twice the bytes, a
-  // chunk's no longer fit in L1 for the value passes, and staging them ran slower.
-  const bool widen = !std::is_same_v<T, float> && !NGRAMSPEC_AVX2;
+  constexpr bool widen = stages_values<T>();
   const int64_t span = kChunk * D, n_stages = static_cast<int64_t>(stages.size());
   const std::unique_ptr<float[]> stage_mem(
       n_stages ? new float[static_cast<size_t>(n_stages * span * (widen ? 2 : 1) + 16)] : nullptr);

@@ -350,8 +350,8 @@ void block_tile(const QuantRows& a, int64_t m0, const uint8_t* gp, int64_t gb, f
       __m256i isum[MR][G];
       for (int r = 0; r < MR; ++r)
         for (int g = 0; g < G; ++g) isum[r][g] = _mm256_setzero_si256();
-      // Unrolled: GCC otherwise keeps these loops rolled, a branch and index arithmetic per
-      // register of levels, and the tile ran ~13% slower.
+      // Unrolled: GCC otherwise keeps these loops rolled, paying a branch and index arithmetic
+      // per register of levels.
 #pragma GCC unroll 8
       for (int qw = q0; qw < q0 + kSpan; qw += W) {
         __m256i part[MR][G];

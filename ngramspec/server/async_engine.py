@@ -31,9 +31,8 @@ log = logging.getLogger("ngramspec.server")
 
 # A non-streamed request's tokens after its first reach the event loop at most every HOLD_S
 # seconds, and at its finish, rather than at every step: each delivery wakes the loop, which then
-# takes the GIL from the engine thread for a few hundred microseconds, a visible share of a ~5 ms
-# step at one request. Its first tokens go at once (time to first token), and the metrics still
-# see every token within HOLD_S.
+# takes the GIL from the engine thread. Its first tokens go at once (time to first token), and
+# the metrics still see every token within HOLD_S.
 HOLD_S = 0.05
 
 
@@ -370,18 +369,19 @@ class AsyncEngine:
         """What of a non-streamed request's new event goes out now: everything held so far, at
         its first tokens, its finish, or HOLD_S after the oldest held; else nothing."""
         held = self._held[request_id]
+        due = not held.started or (held.event is not None and now - held.since >= HOLD_S)
         if held.event is not None:
             event = held.event.then(event)
         if event.finished:
             del self._held[request_id]
             return event
-        if held.started and (held.event is None or now - held.since < HOLD_S):
-            if held.event is None:
-                held.since = now
-            held.event = event
-            return None
-        held.event, held.started = None, True
-        return event
+        if due:
+            held.event, held.started = None, True
+            return event
+        if held.event is None:
+            held.since = now
+        held.event = event
+        return None
 
     def _abort_everything(self) -> None:
         self._held.clear()

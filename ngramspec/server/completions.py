@@ -298,7 +298,7 @@ async def _admit(state: ServerState, req: Any, kind: str, prompts: list[list[int
             # the engine's id of each prompt; the response keeps request_id
             engine_id = request_id if len(prompts) == 1 else f"{request_id}-{p}"
             streams = await _add(state, kind, engine_id, prompt_ids, prompt_params, references,
-                                 p if len(prompts) > 1 else None, bool(req.stream))
+                                 p if len(prompts) > 1 else None, req.stream)
             state.metrics.on_prompt(len(prompt_ids))
             for i, stream in enumerate(streams):
                 gen = Generation(kind, request_id, state.model_name, created, len(prompt_ids),
