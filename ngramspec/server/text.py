@@ -1,7 +1,7 @@
 """Streaming detokenisation that never takes back text it has sent.
 
-Text is decoded incrementally over a window (linear in the output length), held back while it
-ends in a partial UTF-8 character, and held back by (longest stop string - 1) characters, since a
+Text is decoded incrementally by the tokenizer's own `DecodeStream` (one Rust call per token),
+which holds back a partial UTF-8 character; sent text is further held back by (longest stop string - 1) characters, since a
 stop string split across tokens is cut from the final text and must never have been streamed.
 The final text is one full decode cut where the engine found the stop string, exactly what
 `ngramspec.outputs.output_text` returns offline. With include_stop_str_in_output the cut is after
@@ -12,6 +12,8 @@ back for it.
 from __future__ import annotations
 
 from typing import Any
+
+from tokenizers.decoders import DecodeStream
 
 
 class TextAssembler:
@@ -25,8 +27,7 @@ class TextAssembler:
         self.holdback = 0 if include_stop else max((len(s) for s in stop), default=1) - 1
         self._text = ""  # decoded so far (may run ahead of what was sent)
         self._sent = 0  # characters sent
-        self._prefix = 0  # decode window: token_ids[_prefix:_read] is already in _text
-        self._read = 0
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     @property
     def sent_text(self) -> str:
@@ -35,11 +36,7 @@ class TextAssembler:
     def push(self, token_ids: list[int]) -> str:
         """Add tokens; returns the text that is now safe to send (maybe "")."""
         self.token_ids += token_ids
-        prefix_text = self._decode(self.token_ids[self._prefix : self._read])
-        new_text = self._decode(self.token_ids[self._prefix :])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            self._text += new_text[len(prefix_text) :]
-            self._prefix, self._read = self._read, len(self.token_ids)
+        self._text += self._new_text(token_ids)
         return self._advance(len(self._text) - self.holdback)
 
     def extend(self, token_ids: list[int]) -> None:
@@ -56,6 +53,12 @@ class TextAssembler:
         delta = text[self._sent :]
         self._text, self._sent = text, len(text)
         return delta
+
+    def _new_text(self, token_ids: list[int]) -> str:
+        """The text `token_ids` add after the tokens before them, less a partial character."""
+        if not token_ids:
+            return ""
+        return self._stream.step(self.tokenizer.backend_tokenizer, token_ids) or ""
 
     def _advance(self, end: int) -> str:
         if end <= self._sent:

@@ -29,11 +29,23 @@ class MarkerText(TextAssembler):
         # decoded nothing yet
         vars(self).update(vars(base))
         self.keep = keep
+        self._prefix = 0  # decode window: token_ids[_prefix:_read] is already in the text
+        self._read = 0
 
     def finish(self, token_ids: list[int], stop_text_len: int | None) -> str:
         if stop_text_len is not None:  # the engine's cut is in text without the kept tokens
             stop_text_len = self._kept_offset(self.token_ids + token_ids, stop_text_len)
         return super().finish(token_ids, stop_text_len)
+
+    def _new_text(self, token_ids: list[int]) -> str:
+        # A window decode through `_decode`, not the base's DecodeStream, which would drop the
+        # kept tokens. `push` has already appended `token_ids`.
+        prefix_text = self._decode(self.token_ids[self._prefix : self._read])
+        new_text = self._decode(self.token_ids[self._prefix :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self.token_ids)
+        return new_text[len(prefix_text) :]
 
     def _decode(self, token_ids: list[int]) -> str:
         parts, start = [], 0
