@@ -876,3 +876,29 @@ def test_held_events_of_a_non_streamed_request_lose_and_reorder_nothing(steps) -
     assert [t for e in sent for t in e.token_ids] == made
     assert [e.finished for e in sent] == [False] * (len(sent) - 1) + [True]
     assert "r" not in engine._held
+
+
+def test_only_non_streamed_choices_are_held() -> None:
+    """`add_choices(stream=False)` asks the engine thread to hold every choice's tokens;
+    a streamed request's go out at every step."""
+    import threading
+
+    from ngramspec.sampling_params import SamplingParams
+    from ngramspec.server.async_engine import AsyncEngine
+
+    engine = AsyncEngine.__new__(AsyncEngine)  # only what admitting touches, no model
+    engine.accepting, engine._thread, engine._streams = True, threading.current_thread(), {}
+    held: list[list[str]] = []
+
+    async def send(kind: str, payload: tuple) -> None:
+        held.append(payload[-1])
+
+    engine._send = send
+
+    async def admit() -> None:
+        await engine.add_choices("a", [1, 2], SamplingParams(n=2), stream=True)
+        await engine.add_choices("b", [1, 2], SamplingParams(n=2), stream=False)
+        await engine.add("c", [1, 2], SamplingParams(), stream=False)
+
+    asyncio.run(admit())
+    assert held == [[], ["b", "b/1"], ["c"]]

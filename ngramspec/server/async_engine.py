@@ -203,16 +203,16 @@ class AsyncEngine:
         if any(rid in self._streams for rid in ids):
             raise ValueError(f"request id {request_id!r} is already in use")
         streams = [RequestStream(rid, asyncio.Queue(), self.abort) for rid in ids]
-        for stream in streams:
-            self._streams[stream.request_id] = stream.queue
+        for each in streams:
+            self._streams[each.request_id] = each.queue
         try:
             await self._send("add", (request_id, prompt_ids, params, references,
                                      [] if stream else ids))
         except BaseException:
             # Failed, or cancelled while the engine thread may have added it: abort is a no-op
             # for an unknown id, so always send it.
-            for stream in streams:
-                stream.close()
+            for each in streams:
+                each.close()
             raise
         return streams
 
