@@ -78,7 +78,10 @@ struct Stage {
 };
 
 constexpr int kMaxQ = 32;  // most queries sharing one pass over a chunk's keys (two AMX tiles)
-constexpr int kMaxQVector = 8;  // ... on the AVX-512 path (its accumulators live in registers)
+// ... on the vector paths: AVX-512 keeps a query's accumulators in registers; AVX2 keeps scores
+// in memory, so a draft tree of 8 tokens' 3 heads per kv head read the chunk's keys and values
+// once.
+constexpr int kMaxQVector = NGRAMSPEC_AVX2 ? 24 : 8;
 
 #if defined(__AVX512F__)
 
@@ -232,14 +235,14 @@ inline __m256 eight_scores(const float* q, const float* const* k) {
 }
 
 // out[q][2 ..] = sum over the n keys of p[q][j] * v_j for NQ queries, 16 dims a pass: one FMA
-// chain per (query, dim) over the keys in order.
-template <int ND, int NQ, typename Rows>
-inline void value_sums(const Rows& row, int64_t n, const float (*p)[kChunk], float* const* out) {
+// chain per (query, dim) over the keys in order. rows[j]: value row j.
+template <int ND, int NQ, typename T>
+inline void value_sums(const T* const* rows, int64_t n, const float (*p)[kChunk], float* const* out) {
   for (int d0 = 0; d0 < 2 * ND; d0 += 2) {
     __m256 acc[NQ][2];
     for (int q = 0; q < NQ; ++q) acc[q][0] = acc[q][1] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
-      const auto* v = row(j) + 8 * d0;
+      const T* v = rows[j] + 8 * d0;
       const __m256 v0 = load8(v), v1 = load8(v + 8);
       for (int q = 0; q < NQ; ++q) {
         const __m256 pj = _mm256_set1_ps(p[q][j]);
@@ -287,14 +290,6 @@ void key_rows(const Cache<T>& c, int64_t g, const KeyList& keys, int64_t i0, int
   }
 }
 
-template <typename T, int ND, int NQ>
-inline void value_sums(const Cache<T>& c, int64_t g, const KeyList& keys, int64_t i0, int64_t n,
-                       const Stage* st, const float (*p)[kChunk], float* const* out) {
-  constexpr int D = ND * 16;
-  if (st && st->v) return value_sums<ND, NQ>([&](int64_t j) { return st->v + j * D; }, n, p, out);
-  value_sums<ND, NQ>([&](int64_t j) { return c.vrow(keys.slot(i0 + j), g); }, n, p, out);
-}
-
 template <typename T, int ND>
 void chunk_partial(const Cache<T>& c, int64_t g, const float* const* qs, int nq, const KeyList& keys,
                    int64_t i0, int64_t i1, float scale, const Stage* st, float* const* out) {
@@ -330,13 +325,19 @@ void chunk_partial(const Cache<T>& c, int64_t g, const float* const* qs, int nq,
     out[q][0] = mx;
     out[q][1] = ngramspec::reduce_add16(vsum);
   }
-  // Values: 4 queries x 16 dims a pass, so each value load (and bf16 widening) serves 4 queries.
-  for (int q0 = 0; q0 < nq; q0 += 4) {
-    switch (std::min(4, nq - q0)) {
-      case 4: value_sums<T, ND, 4>(c, g, keys, i0, n, st, sc + q0, out + q0); break;
-      case 3: value_sums<T, ND, 3>(c, g, keys, i0, n, st, sc + q0, out + q0); break;
-      case 2: value_sums<T, ND, 2>(c, g, keys, i0, n, st, sc + q0, out + q0); break;
-      default: value_sums<T, ND, 1>(c, g, keys, i0, n, st, sc + q0, out + q0); break;
+  // Values: 6 queries x 16 dims a pass (12 accumulators, the two value vectors and a
+  // probability fill the 16 registers), so each value load and bf16 widening serves 6 queries.
+  // The stage holds no values on AVX2 (stages_values): the cache's rows, found once per chunk.
+  const T* vrows[kChunk];
+  for (int64_t j = 0; j < n; ++j) vrows[j] = c.vrow(keys.slot(i0 + j), g);
+  for (int q0 = 0; q0 < nq; q0 += 6) {
+    switch (std::min(6, nq - q0)) {
+      case 6: value_sums<ND, 6>(vrows, n, sc + q0, out + q0); break;
+      case 5: value_sums<ND, 5>(vrows, n, sc + q0, out + q0); break;
+      case 4: value_sums<ND, 4>(vrows, n, sc + q0, out + q0); break;
+      case 3: value_sums<ND, 3>(vrows, n, sc + q0, out + q0); break;
+      case 2: value_sums<ND, 2>(vrows, n, sc + q0, out + q0); break;
+      default: value_sums<ND, 1>(vrows, n, sc + q0, out + q0); break;
     }
   }
 }
