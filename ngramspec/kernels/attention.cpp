@@ -290,9 +290,13 @@ void key_rows(const Cache<T>& c, int64_t g, const KeyList& keys, int64_t i0, int
   }
 }
 
+// Query q sees the chunk's first lens[q] keys (<= i1 - i0; a causal prefill chunk's tokens share
+// one pass, as on the AMX path): the keys past it get probability 0 and add exact zeros to its
+// sums, so its numbers are those of a pass over its own keys alone.
 template <typename T, int ND>
-void chunk_partial(const Cache<T>& c, int64_t g, const float* const* qs, int nq, const KeyList& keys,
-                   int64_t i0, int64_t i1, float scale, const Stage* st, float* const* out) {
+void chunk_partial(const Cache<T>& c, int64_t g, const float* const* qs, const int64_t* lens, int nq,
+                   const KeyList& keys, int64_t i0, int64_t i1, float scale, const Stage* st,
+                   float* const* out) {
   constexpr int D = ND * 16;
   alignas(32) float sc[kMaxQVector][kChunk];
   alignas(32) float own[8 * D];  // [8 keys][D] widened, without a stage
@@ -304,10 +308,11 @@ void chunk_partial(const Cache<T>& c, int64_t g, const float* const* qs, int nq,
       _mm256_store_ps(sc[q] + j0, _mm256_mul_ps(eight_scores<2 * ND>(qs[q], rows), _mm256_set1_ps(scale)));
   }
   for (int q = 0; q < nq; ++q) {  // softmax numerators and sums, per query
+    const int64_t len = lens[q];
     __m256 vmax = _mm256_set1_ps(-INFINITY);
     for (int64_t j0 = 0; j0 < n; j0 += 8) {
       const __m256 s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_load_ps(sc[q] + j0),
-                                        first_lanes(n - j0));
+                                        first_lanes(len - j0));
       vmax = _mm256_max_ps(vmax, s);
     }
     const __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(vmax, 1), _mm256_castps256_ps128(vmax));
@@ -316,7 +321,7 @@ void chunk_partial(const Cache<T>& c, int64_t g, const float* const* qs, int nq,
     const __m256 vmx = _mm256_set1_ps(mx);
     ngramspec::V16 vsum{_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t j0 = 0; j0 < n; j0 += 8) {
-      const __m256 e = _mm256_and_ps(first_lanes(n - j0),
+      const __m256 e = _mm256_and_ps(first_lanes(len - j0),
                                      ngramspec::exp8(_mm256_sub_ps(_mm256_load_ps(sc[q] + j0), vmx)));
       _mm256_store_ps(sc[q] + j0, e);
       __m256& half = (j0 / 8) % 2 ? vsum.b : vsum.a;  // key j0 + l is 16-lane lane (j0 % 16) + l
@@ -626,8 +631,8 @@ void stage_chunk(const Cache<T>& c, int64_t g, const KeyList& keys, int64_t i0, 
 }
 
 // Chunk `chunk` of the key list for nq queries that share it; query q sees its first lens[q]
-// keys (the AMX path's causal sharing; elsewhere every query sees the whole chunk). `st`: the
-// chunk staged, or nullptr.
+// keys (causal sharing, on the AMX and AVX2 paths; elsewhere every query sees the whole chunk).
+// `st`: the chunk staged, or nullptr.
 template <typename T>
 void partials(const Cache<T>& c, int64_t g, const float* const* qs, const int64_t* lens, int nq,
               const KeyList& keys, int64_t chunk, float scale, bool amx, const Stage* st,
@@ -640,7 +645,15 @@ void partials(const Cache<T>& c, int64_t g, const float* const* qs, const int64_
   (void)lens;
   (void)amx;
   (void)st;
-#if defined(__AVX512F__) || NGRAMSPEC_AVX2
+#if NGRAMSPEC_AVX2
+  switch (c.D) {
+    case 64: return chunk_partial<T, 4>(c, g, qs, lens, nq, keys, i0, i1, scale, st, out);
+    case 128: return chunk_partial<T, 8>(c, g, qs, lens, nq, keys, i0, i1, scale, st, out);
+    case 16: return chunk_partial<T, 1>(c, g, qs, lens, nq, keys, i0, i1, scale, st, out);
+    case 32: return chunk_partial<T, 2>(c, g, qs, lens, nq, keys, i0, i1, scale, st, out);
+    default: break;
+  }
+#elif defined(__AVX512F__)
   switch (c.D) {
     case 64: return chunk_partial<T, 4>(c, g, qs, nq, keys, i0, i1, scale, st, out);
     case 128: return chunk_partial<T, 8>(c, g, qs, nq, keys, i0, i1, scale, st, out);
@@ -670,7 +683,7 @@ struct Item {
   int64_t chunk, group, list_token;  // list_token: the longest key list of the item's tokens
   int nq;
   int64_t tokens[kMaxQ], heads[kMaxQ];
-  bool shared = false;  // its tokens' lists agree over the whole chunk
+  bool shared = false;  // its tokens' lists agree over the chunk (each up to its own length)
   int64_t stage = -1;   // the chunk's stage (run's `stages`), or none
 };
 
@@ -710,6 +723,9 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   std::vector<int64_t> base(Tq + 1, 0);
   std::vector<Item> items;
   const bool staging = !amx && stages_run<T>(D);
+  // Whether a causal chunk's tokens share a pass over a chunk they reach only part of, each with
+  // its own length: the AMX path, and AVX2's vector path (partials()).
+  const bool partial_sharing = amx || (NGRAMSPEC_AVX2 && (D == 16 || D == 32 || D == 64 || D == 128));
   std::vector<StageAt> stages;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t P = po[b + 1] - po[b];
@@ -733,8 +749,9 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
           if (c >= base[t + 1] - base[t]) continue;
           // Tokens whose lists agree over the chunk share it: inside the prefix, and in a causal
           // chunk (each token's list extends the previous token's) wherever the token's list
-          // covers the chunk, or on the AMX path wherever it reaches into it (lengths per query).
-          const bool shared = cz[b] ? amx || (c + 1) * kChunk <= lists[t].L : (c + 1) * kChunk <= P;
+          // covers the chunk, or with partial sharing wherever it reaches into it (lengths per
+          // query).
+          const bool shared = cz[b] ? partial_sharing || (c + 1) * kChunk <= lists[t].L : (c + 1) * kChunk <= P;
           if (!shared) flush();
           it.shared = shared;
           for (int64_t h = g * G; h < (g + 1) * G; ++h) {
@@ -746,11 +763,13 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
           if (!shared) flush();
         }
         flush();
-        // Many batches of queries over the same full chunk: stage it once for them.
-        const auto shared_from = std::find_if(items.begin() + first, items.end(), [](const Item& i) { return i.shared; });
-        if (staging && std::count_if(shared_from, items.end(), [](const Item& i) { return i.shared; }) >= kStageFrom) {
+        // Many batches of queries over the same full chunk: stage it once for them (a stage holds
+        // the whole chunk, so only items whose longest list covers it read one).
+        const auto full = [&](const Item& i) { return i.shared && (c + 1) * kChunk <= lists[i.list_token].L; };
+        const auto shared_from = std::find_if(items.begin() + first, items.end(), full);
+        if (staging && std::count_if(shared_from, items.end(), full) >= kStageFrom) {
           for (auto i = shared_from; i != items.end(); ++i)
-            if (i->shared) i->stage = static_cast<int64_t>(stages.size());
+            if (full(*i)) i->stage = static_cast<int64_t>(stages.size());
           stages.push_back({g, &lists[shared_from->list_token], c * kChunk});
         }
       }
