@@ -411,6 +411,16 @@ void block_tile(const QuantRows& a, int64_t m0, const uint8_t* gp, int64_t gb, f
 }
 
 constexpr int kTileMR = 4;
+// Rows a tile takes at once for type Q: Q8_0 without VNNI widens every product, and 4 rows' sums
+// and accumulators for 2 groups spill.
+template <int64_t Q>
+constexpr int tile_rows() {
+#if NGRAMSPEC_VNNI || defined(__AVX512F__)
+  return kTileMR;
+#else
+  return Q == kQ8_0 ? 3 : kTileMR;
+#endif
+}
 #if NGRAMSPEC_VNNI || defined(__AVX512F__)
 constexpr int kTileG = 3;  // 32 registers: 12 sums, 12 accumulators
 #else
@@ -440,7 +450,8 @@ void block_rows(const QuantRows& a, int64_t m0, const uint8_t* w, float* out, in
 template <int64_t Q>
 void rows_groups(const QuantRows& a, int64_t M, const uint8_t* w, float* out, int64_t N, int64_t g0, int64_t g1) {
   int64_t m = 0;
-  for (; m + kTileMR <= M; m += kTileMR) block_rows<Q, kTileMR>(a, m, w, out, N, g0, g1);
+  constexpr int MR = tile_rows<Q>();
+  for (; m + MR <= M; m += MR) block_rows<Q, MR>(a, m, w, out, N, g0, g1);
   switch (M - m) {
     case 3: return block_rows<Q, 3>(a, m, w, out, N, g0, g1);
     case 2: return block_rows<Q, 2>(a, m, w, out, N, g0, g1);
@@ -461,7 +472,7 @@ constexpr int64_t kFewRows = 32;
 
 template <int64_t Q>
 void lanes_groups(const QuantRows& a, int64_t M, const uint8_t* w, float* out, int64_t N, int64_t g0, int64_t g1) {
-  if (M <= kTileMR || M > kFewRows) return rows_groups<Q>(a, M, w, out, N, g0, g1);
+  if (M <= tile_rows<Q>() || M > kFewRows) return rows_groups<Q>(a, M, w, out, N, g0, g1);
   for (int64_t g = g0; g < g1; g += kTileG) rows_groups<Q>(a, M, w, out, N, g, std::min(g + kTileG, g1));
 }
 
