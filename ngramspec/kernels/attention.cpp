@@ -243,6 +243,8 @@ inline void value_sums(const T* const* rows, int64_t n, const float (*p)[kChunk]
     for (int q = 0; q < NQ; ++q) acc[q][0] = acc[q][1] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
       const T* v = rows[j] + 8 * d0;
+      // Rows come from the slot list, in no order a hardware prefetcher follows.
+      _mm_prefetch(reinterpret_cast<const char*>(rows[std::min(j + 16, n - 1)] + 8 * d0), _MM_HINT_T0);
       const __m256 v0 = load8(v), v1 = load8(v + 8);
       for (int q = 0; q < NQ; ++q) {
         const __m256 pj = _mm256_set1_ps(p[q][j]);
