@@ -421,3 +421,16 @@ def _assert_samples_follow(logits: torch.Tensor, p: SamplingParams, prompt: list
     sigma = (probs * (1 - probs) / n).sqrt()
     assert ((counts / n - probs).abs() <= 4 * sigma + 1e-9).all(), (counts / n, probs)
     assert counts[probs == 0].sum() == 0
+
+
+@pytest.mark.parametrize("top_p", [7.19364158662655e-72, 1e-45, 1e-9])
+def test_a_vanishing_top_p_keeps_the_most_likely_token(top_p: float) -> None:
+    """top_p below float32's range compares as 0 against float32 probabilities; the nucleus
+    still holds its first token, so sampling is greedy instead of failing."""
+    from ngramspec.layers.sampler import sample_token, target_probs
+
+    logits = torch.tensor([0.5, 3.0, 1.0, 3.0 - 1e-3])
+    p = SamplingParams(temperature=1.0, top_p=top_p, max_tokens=1)
+    probs = target_probs(logits, p)
+    assert probs.tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert sample_token(logits, p, [], [], torch.Generator().manual_seed(0)) == 1

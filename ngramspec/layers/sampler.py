@@ -106,6 +106,8 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Ten
             break
         k = min(4 * k, n)
     keep = cum - top < top_p
+    # The most likely token always stays: a top_p below float32's range (1e-72) compares as 0.
+    keep[0] = True
     return candidates[order[keep]], top[keep]
 
 
