@@ -583,12 +583,15 @@ bool use_amx(int64_t D) {
 #endif
 }
 
-// Whether the vector paths stage a chunk of head size D (they run D = 16, 32, 64, 128) from a
-// cache of dtype T. AVX2 reads a float32 cache's key rows as they are: nothing to stage.
+// The head sizes the vector paths (AVX-512, AVX2) run; others take the scalar partial.
+constexpr bool vector_head(int64_t D) { return D == 16 || D == 32 || D == 64 || D == 128; }
+
+// Whether the vector paths stage a chunk of head size D from a cache of dtype T. AVX2 reads a
+// float32 cache's key rows as they are: nothing to stage.
 template <typename T>
 bool stages_run(int64_t D) {
 #if defined(__AVX512F__) || NGRAMSPEC_AVX2
-  return (D == 16 || D == 32 || D == 64 || D == 128) && (!NGRAMSPEC_AVX2 || !std::is_same_v<T, float>);
+  return vector_head(D) && (!NGRAMSPEC_AVX2 || !std::is_same_v<T, float>);
 #else
   (void)D;
   return false;
@@ -647,20 +650,19 @@ void partials(const Cache<T>& c, int64_t g, const float* const* qs, const int64_
   (void)lens;
   (void)amx;
   (void)st;
-#if NGRAMSPEC_AVX2
+#if defined(__AVX512F__) || NGRAMSPEC_AVX2
+  const auto vector = [&](auto nd) {  // nd: std::integral_constant, the head size / 16
+#if NGRAMSPEC_AVX2  // lengths per query (causal sharing)
+    chunk_partial<T, decltype(nd)::value>(c, g, qs, lens, nq, keys, i0, i1, scale, st, out);
+#else
+    chunk_partial<T, decltype(nd)::value>(c, g, qs, nq, keys, i0, i1, scale, st, out);
+#endif
+  };
   switch (c.D) {
-    case 64: return chunk_partial<T, 4>(c, g, qs, lens, nq, keys, i0, i1, scale, st, out);
-    case 128: return chunk_partial<T, 8>(c, g, qs, lens, nq, keys, i0, i1, scale, st, out);
-    case 16: return chunk_partial<T, 1>(c, g, qs, lens, nq, keys, i0, i1, scale, st, out);
-    case 32: return chunk_partial<T, 2>(c, g, qs, lens, nq, keys, i0, i1, scale, st, out);
-    default: break;
-  }
-#elif defined(__AVX512F__)
-  switch (c.D) {
-    case 64: return chunk_partial<T, 4>(c, g, qs, nq, keys, i0, i1, scale, st, out);
-    case 128: return chunk_partial<T, 8>(c, g, qs, nq, keys, i0, i1, scale, st, out);
-    case 16: return chunk_partial<T, 1>(c, g, qs, nq, keys, i0, i1, scale, st, out);
-    case 32: return chunk_partial<T, 2>(c, g, qs, nq, keys, i0, i1, scale, st, out);
+    case 64: return vector(std::integral_constant<int, 4>{});
+    case 128: return vector(std::integral_constant<int, 8>{});
+    case 16: return vector(std::integral_constant<int, 1>{});
+    case 32: return vector(std::integral_constant<int, 2>{});
     default: break;
   }
 #endif
@@ -727,7 +729,7 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   const bool staging = !amx && stages_run<T>(D);
   // Whether a causal chunk's tokens share a pass over a chunk they reach only part of, each with
   // its own length: the AMX path, and AVX2's vector path (partials()).
-  const bool partial_sharing = amx || (NGRAMSPEC_AVX2 && (D == 16 || D == 32 || D == 64 || D == 128));
+  const bool partial_sharing = amx || (NGRAMSPEC_AVX2 && vector_head(D));
   std::vector<StageAt> stages;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t P = po[b + 1] - po[b];

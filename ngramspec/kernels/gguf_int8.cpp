@@ -410,21 +410,17 @@ void block_tile(const QuantRows& a, int64_t m0, const uint8_t* gp, int64_t gb, f
   }
 }
 
+// A tile's rows (at most kTileMR; tile_rows<Q>() for type Q) and groups.
 constexpr int kTileMR = 4;
-// Rows a tile takes at once for type Q: Q8_0 without VNNI widens every product, and 4 rows' sums
-// and accumulators for 2 groups spill.
-template <int64_t Q>
-constexpr int tile_rows() {
-#if NGRAMSPEC_VNNI || defined(__AVX512F__)
-  return kTileMR;
-#else
-  return Q == kQ8_0 ? 3 : kTileMR;
-#endif
-}
 #if NGRAMSPEC_VNNI || defined(__AVX512F__)
 constexpr int kTileG = 3;  // 32 registers: 12 sums, 12 accumulators
+template <int64_t Q>
+constexpr int tile_rows() { return kTileMR; }
 #else
 constexpr int kTileG = 2;  // 16 registers
+// Q8_0 widens every product here: 4 rows' sums beside their accumulators for 2 groups spill.
+template <int64_t Q>
+constexpr int tile_rows() { return Q == kQ8_0 ? 3 : kTileMR; }
 #endif
 
 // Rows m0 .. m0 + MR (MR <= kTileMR) x groups [g0, g1): full tiles of kTileG groups, then the

@@ -1,8 +1,9 @@
 """Streaming detokenisation that never takes back text it has sent.
 
-Text is decoded incrementally by the tokenizer's own `DecodeStream` (one Rust call per token),
-which holds back a partial UTF-8 character; sent text is further held back by (longest stop string - 1) characters, since a
-stop string split across tokens is cut from the final text and must never have been streamed.
+Text is decoded incrementally by the tokenizer's own `DecodeStream` (one Rust call per step),
+which holds back a partial UTF-8 character; sent text is further held back by (longest stop
+string - 1) characters, since a stop string split across tokens is cut from the final text and
+must never have been streamed.
 The final text is one full decode cut where the engine found the stop string, exactly what
 `ngramspec.outputs.output_text` returns offline. With include_stop_str_in_output the cut is after
 the stop string, which the engine found complete in the last token's text, so nothing is held
@@ -28,6 +29,7 @@ class TextAssembler:
         self._text = ""  # decoded so far (may run ahead of what was sent)
         self._sent = 0  # characters sent
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._backend = tokenizer.backend_tokenizer  # the Rust tokenizer DecodeStream steps with
 
     @property
     def sent_text(self) -> str:
@@ -58,7 +60,7 @@ class TextAssembler:
         """The text `token_ids` add after the tokens before them, less a partial character."""
         if not token_ids:
             return ""
-        return self._stream.step(self.tokenizer.backend_tokenizer, token_ids) or ""
+        return self._stream.step(self._backend, token_ids) or ""
 
     def _advance(self, end: int) -> str:
         if end <= self._sent:
