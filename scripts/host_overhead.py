@@ -19,15 +19,13 @@ import shutil
 import tempfile
 import timeit
 from pathlib import Path
-from types import SimpleNamespace
 
 
 def sizing_ms(requests: int, seed: int = 0) -> float:
-    """Best-of-5 ms for one step's sizing and calibration updates of `requests` trees."""
-    from ngramspec.drafting.config import DrafterConfig
-    from ngramspec.drafting.tree import DraftTree
-    from ngramspec.engine.cost_model import VerifyCost
-    from ngramspec.engine.speculator import Speculator
+    """Best-of-5 ms for one step's sizing of `requests` trees of 11 drafts."""
+    from ngramspec.drafting.tree import DraftBatch, DraftTree
+    from ngramspec.policy.cost import StepCost, VerifyCost
+    from ngramspec.policy.sizing import size_trees
 
     rng = random.Random(seed)
 
@@ -39,19 +37,12 @@ def sizing_ms(requests: int, seed: int = 0) -> float:
         return DraftTree([7] * 12, [-1, *range(11)], probs)
 
     points = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024]
-    cost = VerifyCost(points, [0.003 + 0.00002 * i for i in range(len(points))])
-    spec = Speculator(DrafterConfig(), None, cost)  # type: ignore[arg-type]
-    chunks = [SimpleNamespace(seq=SimpleNamespace(seq_id=k), num_tokens=1)
-              for k in range(requests)]
-    schedule = SimpleNamespace(decodes=chunks, prefills=[])
-    trees = [tree() for _ in range(requests)]
-    for k in range(requests):
-        spec.per_request.observe(k, 3.0, 2 + k % 3)
+    cost = StepCost(VerifyCost(points, [0.003 + 0.00002 * i for i in range(len(points))]))
+    batch = DraftBatch.from_trees([tree() for _ in range(requests)], 12)
+    lengths = batch.sizes
 
     def step() -> None:
-        spec._size(chunks, trees, schedule, cost)  # type: ignore[arg-type]
-        for t in trees:
-            spec.calibrator.observe(t.probs, [1, 2])
+        size_trees(batch.probs, lengths, requests, cost, requests)
 
     return min(timeit.repeat(step, number=30, repeat=5)) / 30 * 1e3
 
@@ -107,7 +98,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=600)
     parser.add_argument("--draft-sizing", default="full", choices=("auto", "cost", "full"))
     args = parser.parse_args()
-    print(f"sizing + observe, {args.requests} trees of 11 drafts: "
+    print(f"sizing, {args.requests} trees of 11 drafts: "
           f"{sizing_ms(args.requests):.3f} ms a step")
     with tempfile.TemporaryDirectory() as tmp:
         result = engine_ms(tiny_model(Path(tmp)), args.requests, args.max_tokens,

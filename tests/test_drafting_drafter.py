@@ -458,6 +458,59 @@ def test_the_request_gain_lifts_replayed_acceptance():
     assert accepted() > accepted(request_gain_prior=0.0)
 
 
+def test_path_estimates_are_calibrated_on_replayed_streams():
+    """The speculation policy prices the drafter's path estimates as they are (no engine-side
+    correction), so on real model outputs they must be right on average: in every band of
+    estimates that holds enough nodes, the acceptance observed over full trees is within 25% of
+    the estimated, and within 10% over all nodes (replays are exact and deterministic)."""
+    from pathlib import Path
+
+    from ngramspec.simulator.replay import read_streams
+
+    root = Path(__file__).resolve().parent.parent
+    streams = read_streams(sorted((root / "data/streams").glob("*.jsonl")))
+    drafter = NgramDrafter(DrafterConfig())
+    bands = [[0.0, 0, 0] for _ in range(10)]  # per 0.1-wide band: estimates, accepted, nodes
+    for s in streams:
+        drafter.start(s.id, s.prompt_ids)
+        drafter.commit(s.id, s.output_ids[:1])
+        pos = 1
+        while pos < len(s.output_ids):
+            (tree,) = drafter.propose([s.id], [11])
+            accepted = set(tree.accepted_nodes(s.output_ids[pos:pos + tree.num_drafts]))
+            for node in range(1, len(tree)):
+                band = bands[min(int(tree.probs[node] * 10), 9)]
+                band[0] += tree.probs[node]
+                band[1] += node in accepted
+                band[2] += 1
+            emitted = s.output_ids[pos:pos + len(accepted) + 1]
+            drafter.commit(s.id, emitted)
+            pos += len(emitted)
+        drafter.stop(s.id)
+    ratios = [accepted / estimated for estimated, accepted, nodes in bands if nodes >= 300]
+    assert len(ratios) >= 6 and all(0.75 < r < 1.25 for r in ratios), ratios
+    total = sum(b[1] for b in bands) / sum(b[0] for b in bands)
+    assert 0.9 < total < 1.1
+
+
+@backends
+def test_reset_calibration_keeps_the_ngram_statistics(backend: str):
+    drafter = new_drafter(backend)
+    text = list(range(100, 120))
+    drafter.start("r", text + text[:3])
+    for token in text[3:9]:  # copies that are accepted: the calibration learns
+        drafter.propose(["r"], [4])
+        drafter.commit("r", [token])
+    learned = drafter.stats()["calibration"]
+    nodes = drafter.trie.num_nodes
+    drafter.reset_calibration()
+    assert drafter.stats()["calibration"] != learned
+    assert drafter.stats()["calibration"] == new_drafter(backend).stats()["calibration"]
+    assert drafter.trie.num_nodes == nodes
+    (tree,) = drafter.propose(["r"], [4])
+    assert tree.token_ids[1] == text[9]  # the request still copies its own text
+
+
 def test_wildcards_and_the_trie_fallback_lift_replayed_acceptance():
     """On the recorded streams (data/streams), each of them raises mean accepted tokens per
     step, and together more than either (replays are exact and deterministic)."""

@@ -1,26 +1,25 @@
-"""The draft budget: calibrated estimates and the cost-driven choice of draft sizes (no model)."""
+"""The speculation policy: the cost-driven choice of draft sizes, the step cost learned from
+observed steps, and the speculator's back-off (no model)."""
 
 from __future__ import annotations
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracles.sizing import ReferencePathProbCalibrator, reference_draft_sizes
+from oracles.sizing import reference_draft_sizes
 
 from ngramspec.drafting.config import DrafterConfig
-from ngramspec.drafting.tree import DraftTree
-from ngramspec.engine.acceptance import PathProbCalibrator
-from ngramspec.engine.cost_model import VerifyCost
+from ngramspec.drafting.tree import DraftBatch, DraftTree
 from ngramspec.engine.scheduler import Schedule, ScheduledChunk
 from ngramspec.engine.sequence import Sequence
-from ngramspec.engine.speculator import (
-    IDLE_AFTER,
-    IDLE_DRAFT_SHARE,
-    IDLE_PROBE_EVERY,
+from ngramspec.engine.speculator import BACKOFF_AFTER, BACKOFF_DRAFT_SHARE, Speculator
+from ngramspec.policy.cost import BOUNDS, Prices, StepCost, VerifyCost, batch_bucket
+from ngramspec.policy.sizing import (
     PER_TREE_OVERHEAD_S,
     TREE_STEP_OVERHEAD_S,
-    Speculator,
     choose_draft_sizes,
+    may_pay,
+    size_trees,
 )
 from ngramspec.sampling_params import SamplingParams
 
@@ -76,28 +75,17 @@ tree_st = st.lists(st.sampled_from([0.0, 0.05, 0.3, 0.31, 0.5, 0.9, 0.97, 1.0]) 
 cost_st = st.lists(st.tuples(st.integers(1, 600), st.floats(1e-3, 0.05)), min_size=1,
                    max_size=5, unique_by=lambda pt: pt[0]).map(
     lambda pts: VerifyCost(*map(list, zip(*sorted(pts)))))
+prices_st = st.builds(Prices, st.sampled_from([1.0, 1.3, 0.7]), st.sampled_from([0.5, 1.0, 3.0]),
+                      st.sampled_from([0.2, 1.0, 4.0]))
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(tree_st, min_size=1, max_size=40), cost_st, st.sampled_from([0.5, 1.0, 3.0]),
-       st.sampled_from([1.0, 1.3]))
-def test_batched_sizing_decides_as_the_loop(trees, cost, penalty, base_scale):
-    assert choose_draft_sizes(trees, len(trees), cost, penalty, base_scale) == \
-        reference_draft_sizes(trees, len(trees), cost, penalty, base_scale)
+@given(st.lists(tree_st, min_size=1, max_size=40), cost_st, prices_st)
+def test_batched_sizing_decides_as_the_loop(trees, cost, prices):
+    assert choose_draft_sizes(trees, len(trees), cost, prices) == \
+        reference_draft_sizes(trees, len(trees), cost, prices)
     for n in (1, 7, 300, 900):
         assert cost.many(np.array([n]))[0] == cost(n)
-
-
-@settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(tree_st, st.lists(st.integers(1, 11), max_size=4)), max_size=12))
-def test_batched_calibrator_matches_the_one_node_at_a_time_loop(steps):
-    fast, ref = PathProbCalibrator(), ReferencePathProbCalibrator()
-    for probs, accepted in steps:
-        assert fast.correct(probs) == ref.correct(probs)
-        fast.observe(probs, accepted)
-        ref.observe(probs, accepted)
-    probe = [1.0, 0.95, 0.7, 0.42, 0.42, 0.1, 0.0]
-    assert fast.correct(probe) == ref.correct(probe)
 
 
 def test_no_drafts_when_verify_is_expensive():
@@ -107,89 +95,90 @@ def test_no_drafts_when_verify_is_expensive():
     assert choose_draft_sizes([chain([0.5, 0.4, 0.3]).probs], 1, flat) == [3]
 
 
-def test_calibrator_learns_and_keeps_trees_best_first():
-    cal = PathProbCalibrator()
-    tree = chain([0.55, 0.5, 0.45, 0.2])
-    before = cal.correct(chain(list(tree.probs[1:])).probs)
-    assert all(a >= b for a, b in zip(before, before[1:])), "corrected probs must not increase"
-    for _ in range(200):  # nothing is ever accepted: estimates must fall towards zero
-        cal.observe(tree.probs, [])
-    after = cal.correct(chain(list(tree.probs[1:])).probs)
-    assert all(a < b for a, b in zip(after[1:], before[1:]))
-    assert after[1] < 0.05
-    for _ in range(400):  # now everything is accepted: they rise above the raw values' prior
-        cal.observe(tree.probs, [1, 2, 3, 4])
-    rising = cal.correct(chain(list(tree.probs[1:])).probs)
-    assert rising[1] > after[1] and rising[1] > 0.5
+def _fit(cost: StepCost, steps: int, truth: tuple[float, float, float],
+         extras: list[tuple[float, float]], n: int = 16, base: float = 0.005) -> None:
+    """`steps` rounds of decode steps at batch `n`, one per (forward, host) of `extras` ((0, 0):
+    a plain step), whose true seconds are scale * base + penalty * forward + host_f * host."""
+    scale, penalty, host_f = truth
+    for _ in range(steps):
+        for forward, host in extras:
+            cost.observe(n, base, forward, host, scale * base + penalty * forward + host_f * host)
 
 
-def test_throughput_guard_learns_the_true_base_and_extra_costs():
-    from ngramspec.engine.throughput import MAX_PENALTY, PROBE_EVERY, ThroughputGuard
+# A plain step, and trees of three sizes (a 5 ms step on a CPU: the host guess is a sixth of it).
+VARIED = [(0.0, 0.0), (0.0009, 0.0008), (0.004, 0.0008), (0.002, 0.0011)]
 
-    guard = ThroughputGuard()
-    assert guard.correction(16) == (1.0, 1.0)  # nothing observed: trust the curve
-    guard.observe(16, 0.05, 0.08, 0.3)  # a drafting step before any plain one teaches nothing
-    assert guard.correction(16) == (1.0, 1.0)
-    for _ in range(100):
-        # At 16 sequences a plain step takes 3x the curve; drafting adds 4x the predicted extra.
-        guard.observe(16, 0.05, 0.05, 0.15)
-        guard.observe(16, 0.05, 0.08, 0.15 + 4 * 0.03)
-    scale, penalty = guard.correction(16)
-    assert abs(scale - 3.0) < 1e-6 and abs(penalty - 4.0) < 1e-6
-    assert guard.correction(1) == (1.0, 1.0)  # other batch sizes are judged on their own
-    for _ in range(200):  # drafting became cheap: the penalty falls to its floor, not below
-        guard.observe(16, 0.05, 0.05, 0.15)
-        guard.observe(16, 0.05, 0.08, 0.15)
-    assert guard.correction(16)[1] == 0.5
-    for _ in range(200):  # absurdly dear drafting is capped
-        guard.observe(16, 0.05, 0.05, 0.15)
-        guard.observe(16, 0.05, 0.051, 10.0)
-    assert guard.correction(16)[1] == MAX_PENALTY
-    probes = sum(guard.should_probe() for _ in range(4 * PROBE_EVERY))
-    assert probes == 4  # one plain probe step in PROBE_EVERY keeps the plain base measured
+
+def test_step_cost_learns_the_true_prices():
+    cost = StepCost(VerifyCost([1, 16], [0.05, 0.08]))
+    assert cost.prices(16) == Prices()  # nothing observed: trust the curve
+    # At 16 sequences a plain step takes 3x the curve, the drafts' forward 4x, the host work 6x.
+    _fit(cost, 100, (3.0, 4.0, 6.0), VARIED)
+    got = cost.prices(16)
+    assert abs(got.scale - 3.0) < 0.05 and abs(got.penalty - 4.0) < 0.2
+    assert abs(got.host - 6.0) < 0.5  # within the ridge's pull
+    assert cost.prices(1) == Prices()  # other batch sizes are judged on their own
+    # Only drafting steps, of varied sizes: no plain step is needed to price the drafts' forward
+    # time and the steps seen (a near-constant host guess cannot be told from the scale).
+    only_drafting = StepCost(VerifyCost([1, 16], [0.05, 0.08]))
+    _fit(only_drafting, 100, (2.0, 3.0, 0.5), VARIED[1:])
+    got = only_drafting.prices(16)
+    assert abs(got.penalty - 3.0) < 0.2
+    for forward, host in VARIED[1:]:
+        true = 2.0 * 0.005 + 3.0 * forward + 0.5 * host
+        assert abs(got.scale * 0.005 + got.penalty * forward + got.host * host - true) < 0.02 * true
+
+
+def test_step_cost_forgets_dear_drafts_and_is_bounded():
+    cost = StepCost(VerifyCost([1, 16], [0.05, 0.08]))
+    _fit(cost, 100, (1.0, 30.0, 1.0), VARIED)  # drafting proved very dear
+    assert cost.prices(16).penalty > 25.0
+    # Then only plain steps: what taught the penalty ages out and it returns to the curve's
+    # own price (a policy that stopped drafting tries again), while the scale stays measured.
+    _fit(cost, 400, (1.5, 30.0, 1.0), [(0.0, 0.0)])
+    got = cost.prices(16)
+    assert abs(got.scale - 1.5) < 0.01 and got.penalty < 1.5
+    _fit(cost, 600, (1.5, 30.0, 1.0), [(0.0, 0.0)])
+    assert abs(cost.prices(16).penalty - 1.0) < 0.01
+    dear, free = StepCost(cost.curve), StepCost(cost.curve)
+    _fit(dear, 100, (1.0, 1000.0, 1000.0), VARIED)  # absurdly dear drafting is capped
+    assert dear.prices(16).penalty == BOUNDS[1][1] and dear.prices(16).host == BOUNDS[2][1]
+    _fit(free, 100, (1.0, 0.1, 0.0), VARIED)  # drafts nearly free: floored
+    assert free.prices(16).penalty == BOUNDS[1][0] and free.prices(16).host == BOUNDS[2][0]
+    given = StepCost(VerifyCost([1, 16], [0.05, 0.08]), learn=False)  # a given curve is kept
+    _fit(given, 10, (3.0, 4.0, 2.0), VARIED)
+    assert given.prices(16) == Prices()
+    cost.reset()
+    assert cost.prices(16) == Prices()
 
 
 def test_corrections_move_the_draft_size_choice():
     flat = VerifyCost([1, 16], [0.03, 0.034])
     tree = chain([0.5, 0.4, 0.3, 0.2])
     assert choose_draft_sizes([tree.probs], 1, flat) == [4]
-    assert choose_draft_sizes([tree.probs], 1, flat, penalty=50.0) == [0]  # drafting proved dear
+    assert choose_draft_sizes([tree.probs], 1, flat, Prices(penalty=100.0)) == [0]  # dear drafts
+    weak = chain([0.3, 0.2]).probs
+    assert choose_draft_sizes([weak], 1, flat) == [2]
+    assert choose_draft_sizes([weak], 1, flat, Prices(host=30.0)) == [0]  # dear host work
     # A plain step that really costs 10x the curve makes the same extra relatively cheap.
     steep = VerifyCost([1, 2, 16], [0.03, 0.05, 0.2])
     assert choose_draft_sizes([tree.probs], 1, steep) == [0]
-    assert choose_draft_sizes([tree.probs], 1, steep, base_scale=10.0)[0] > 0
-
-
-def test_request_acceptance_scales_one_request_by_its_own_record():
-    from ngramspec.engine.acceptance import MAX_PROB, RequestAcceptance
-
-    ra = RequestAcceptance(prior_tokens=3.0)
-    tree = chain([0.6, 0.5, 0.4])
-    assert ra.scale(1, chain(list(tree.probs[1:])).probs) == tree.probs  # no record: unchanged
-    for _ in range(10):  # request 1 accepts nothing of an expected 1.5 tokens per step
-        ra.observe(1, 1.5, 0)
-        ra.observe(2, 1.0, 2)  # request 2 accepts twice what was expected
-    assert abs(ra.factor(1) - 3.0 / 18.0) < 1e-12
-    low = ra.scale(1, chain(list(tree.probs[1:])).probs)
-    assert all(abs(a - b * 3.0 / 18.0) < 1e-12 for a, b in zip(low[1:], tree.probs[1:]))
-    high = ra.scale(2, chain(list(tree.probs[1:])).probs)
-    assert high[1] == MAX_PROB and all(a >= b for a, b in zip(high[1:], high[2:]))
-    cost = VerifyCost([1, 2, 16], [0.03, 0.036, 0.06])
-    assert choose_draft_sizes([chain([0.6, 0.5, 0.4]).probs], 1, cost)[0] > 0
-    assert choose_draft_sizes([ra.scale(1, chain([0.6, 0.5, 0.4]).probs)], 1, cost) == [0]
-    ra.forget(1)
-    assert ra.factor(1) == 1.0 and ra.factor(2) > 1.0
+    assert choose_draft_sizes([tree.probs], 1, steep, Prices(scale=10.0))[0] > 0
 
 
 class _CountingDrafter:
-    """Trees of one fixed shape, and a count of the batches it was asked for."""
+    """Trees of one fixed shape cut to each budget, and the budgets of every call."""
 
     def __init__(self, probs: list[float]) -> None:
-        self.probs, self.calls = probs, 0
+        self.probs, self.budgets = probs, []
+
+    @property
+    def calls(self) -> int:
+        return len(self.budgets)
 
     def propose(self, request_ids: list[str], budgets: list[int]) -> list[DraftTree]:
-        self.calls += 1
-        return [chain(list(self.probs)) for _ in request_ids]
+        self.budgets.append(budgets[0])
+        return [chain(list(self.probs[:b])) for b in budgets]
 
 
 def _decode_schedule(n: int) -> Schedule:
@@ -209,74 +198,79 @@ class _Clock:
         return self.now
 
 
-def test_drafting_pauses_while_sized_trees_keep_nothing_and_probes():
+def test_backed_off_drafting_looks_at_each_best_node_and_drafts_when_it_pays():
     # A verify cost that rises steeply: no draft ever pays, so the sized trees are empty.
     steep = VerifyCost([1, 2, 64], [0.01, 0.05, 5.0])
     drafter = _CountingDrafter([0.05, 0.04, 0.03])
-    # drafting a batch takes 1 s, far above IDLE_DRAFT_SHARE of a plain step: pausing pays
+    # drafting a batch takes 1 s, far above BACKOFF_DRAFT_SHARE of a plain step: backing off pays
     spec = Speculator(DrafterConfig(), drafter, steep, clock=_Clock(1.0))
-    steps = IDLE_AFTER + 3 * IDLE_PROBE_EVERY
-    for _ in range(steps):
+    full = DrafterConfig().num_draft_tokens
+    for _ in range(BACKOFF_AFTER + 20):
         assert not any(t.num_drafts for t in spec.propose(_decode_schedule(4)).values())
-    assert drafter.calls == IDLE_AFTER + 3  # then one probe every IDLE_PROBE_EVERY steps
-    # Another batch-size bucket has its own record; it drafts until it learns the same.
+    # Every step still looks: whole trees until backing off, then each tree's best node only.
+    assert drafter.budgets == [full] * BACKOFF_AFTER + [1] * 20
+    # Another batch-size bucket has its own record; it drafts whole trees.
     spec.propose(_decode_schedule(40))
-    assert drafter.calls == IDLE_AFTER + 4
+    assert drafter.budgets[-1] == full
+    # A loop starts: the look sees a node that pays and whole trees are drafted that same step.
+    drafter.probs = [0.999] * 12
+    spec.cost = StepCost(VerifyCost([1, 64], [0.01, 0.012]))
+    spec._idle[batch_bucket(4)] = BACKOFF_AFTER  # the new cost keeps the record of the old
+    trees = spec.propose(_decode_schedule(4))
+    assert drafter.budgets[-2:] == [1, full]
+    assert all(t.num_drafts for t in trees.values())
 
 
-def test_cheap_drafting_never_pauses():
-    """Where drafting costs little of a step, a pause would save little and miss the first steps
-    of a repeat: the drafter keeps looking, and drafts as soon as its trees pay."""
+def test_cheap_drafting_never_backs_off():
+    """Where drafting costs little of a step, a look would save little: whole trees are drafted
+    every step, and used as soon as they pay."""
     curve = VerifyCost([1, 4, 8, 64], [0.01, 0.01, 0.016, 0.5])  # 4 decodes + 4 drafts: 1.6x
     drafter = _CountingDrafter([0.05, 0.04, 0.03])
-    cheap = _Clock(IDLE_DRAFT_SHARE * curve(4) / 2)  # half the share of a plain step
+    cheap = _Clock(BACKOFF_DRAFT_SHARE * curve(4) / 2)  # half the share of a plain step
     spec = Speculator(DrafterConfig(), drafter, curve, clock=cheap)
-    for _ in range(IDLE_AFTER + 2 * IDLE_PROBE_EVERY):
+    for _ in range(BACKOFF_AFTER + 20):
         assert not any(t.num_drafts for t in spec.propose(_decode_schedule(4)).values())
-    assert drafter.calls == IDLE_AFTER + 2 * IDLE_PROBE_EVERY
+    assert drafter.budgets == [DrafterConfig().num_draft_tokens] * (BACKOFF_AFTER + 20)
     drafter.probs = [0.99, 0.98, 0.97]  # a loop starts: its first step drafts
     assert all(t.num_drafts for t in spec.propose(_decode_schedule(4)).values())
 
 
-def test_drafting_never_pauses_while_drafts_pay():
+def test_drafting_never_backs_off_while_drafts_pay():
     flat = VerifyCost([1, 2, 64], [0.01, 0.01, 0.01])
     drafter = _CountingDrafter([0.9, 0.8, 0.7])
-    spec = Speculator(DrafterConfig(), drafter, flat)
-    for _ in range(IDLE_AFTER + 2 * IDLE_PROBE_EVERY):
+    spec = Speculator(DrafterConfig(), drafter, flat, clock=_Clock(1.0))
+    for _ in range(BACKOFF_AFTER + 20):
         assert all(t.num_drafts for t in spec.propose(_decode_schedule(4)).values())
-    assert drafter.calls == IDLE_AFTER + 2 * IDLE_PROBE_EVERY
-
-
-class _FixedDrafter:
-    """The same trees every call, one per request."""
-
-    def __init__(self, trees: list[list[float]]) -> None:
-        self.trees = trees
-
-    def propose(self, request_ids: list[str], budgets: list[int]) -> list[DraftTree]:
-        return [chain(list(p[1:])) for p, _ in zip(self.trees, request_ids)]
+    assert set(drafter.budgets) == {DrafterConfig().num_draft_tokens}
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(tree_st, min_size=1, max_size=12), cost_st,
-       st.lists(st.tuples(st.floats(0, 20), st.integers(0, 20)), min_size=12, max_size=12),
-       st.lists(st.tuples(tree_st, st.lists(st.integers(1, 11), max_size=4)), max_size=6))
-def test_the_cheap_no_pay_check_never_changes_a_decision(trees, cost, records, history):
-    """Speculator._may_pay skips the sizing only where the sizing would keep no draft: the
-    trees, expectations and predicted costs equal those of a speculator that always sizes."""
-    def make() -> Speculator:
-        spec = Speculator(DrafterConfig(), _FixedDrafter(trees), cost)
-        for i, (expected, accepted) in enumerate(records):
-            spec.per_request.observe(i, expected, accepted)
-        for probs, accepted in history:
-            spec.calibrator.observe(probs, accepted)
-        return spec
+@given(st.lists(tree_st, min_size=1, max_size=12), cost_st, prices_st, st.integers(0, 40))
+def test_the_cheap_no_pay_check_never_changes_a_decision(trees, cost, prices, base):
+    """may_pay skips the sizing only where the sizing would keep no draft."""
+    batch = DraftBatch.from_trees([chain(list(p[1:])) for p in trees])
+    lengths = batch.sizes
+    drafts = int(lengths.sum()) - len(lengths)
+    base += len(trees)
+    if not may_pay(batch.probs, lengths, drafts, base, cost, prices):
+        assert not any(choose_draft_sizes(trees, base, cost, prices))
+    step = StepCost(cost, learn=False)
+    assert size_trees(batch.probs, lengths, base, step, len(trees)) == \
+        choose_draft_sizes(trees, base, cost)
 
-    checked, full = make(), make()
-    full._may_pay = lambda *args: True  # type: ignore[method-assign]
-    schedule = _decode_schedule(len(trees))
-    got, want = checked.propose(schedule), full.propose(schedule)
-    assert {k: (t.token_ids, t.probs) for k, t in got.items() if t.num_drafts} == \
-        {k: (t.token_ids, t.probs) for k, t in want.items() if t.num_drafts}
-    assert checked._expected == full._expected
-    assert checked._predicted == full._predicted
+
+def test_new_weights_restart_what_was_learned_of_acceptance_and_step_times():
+    class Resetting(_CountingDrafter):
+        resets = 0
+
+        def reset_calibration(self) -> None:
+            self.resets += 1
+
+    drafter = Resetting([0.5])
+    spec = Speculator(DrafterConfig(), drafter, VerifyCost([1, 16], [0.01, 0.02]),
+                      learn_step_times=True)
+    for _ in range(20):
+        spec.cost.observe(1, 0.01, 0.0, 0.0, 0.03)  # plain steps take 3x the curve
+    assert spec.cost.prices(1).scale > 2.5
+    spec.restart_calibration()
+    assert drafter.resets == 1 and spec.cost.prices(1) == Prices()

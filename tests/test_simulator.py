@@ -17,6 +17,7 @@ from ngramspec.simulator.replay import (
     replay,
     report,
     simulate,
+    summarize,
 )
 
 
@@ -295,6 +296,27 @@ def test_drafter_options_and_sglang_aliases():
         parse_drafter(["--min-bfs-breadth", "5", "--max-bfs-breadth", "2"])
 
 
+def test_replay_with_a_step_cost_sizes_trees_and_models_the_speedup():
+    from ngramspec.policy.cost import StepCost, VerifyCost
+
+    out = list(range(100, 161))
+    streams = [Stream("a", [1, 2], out)]
+    steep = StepCost(VerifyCost([1, 2], [0.01, 1.0]), learn=False)  # no draft ever pays
+    [r] = replay(OracleDrafter({"a": out}, k=4), streams, budget=11, cost=steep)
+    assert r.drafted == 0 and r.steps == r.tokens == len(out) - 1
+    assert summarize([r]).modelled_speedup == 1.0
+    # Chains of 4 sure drafts on a mild curve: all kept, 5 tokens a step for
+    # curve(5) + the host guess (~0.0119 s) against 0.05 s of plain steps.
+    mild = StepCost(VerifyCost([1, 8], [0.01, 0.012]), learn=False)
+    [r] = replay(OracleDrafter({"a": out}, k=4), streams, budget=11, cost=mild)
+    assert r.steps == 12 and r.drafted == 4 * 12
+    assert 4.1 < summarize([r]).modelled_speedup < 4.3
+    assert summarize([r]).modelled_speedup == r.tokens * 0.01 / r.seconds
+    # Without a cost nothing is modelled.
+    [r] = replay(OracleDrafter({"a": out}, k=4), streams, budget=11)
+    assert summarize([r]).modelled_speedup is None
+
+
 def test_simulate_command_json_and_compare(tmp_path, capsys):
     from ngramspec.cli import main
 
@@ -309,6 +331,9 @@ def test_simulate_command_json_and_compare(tmp_path, capsys):
     assert main(["simulate", "--streams", str(path), "--preset", "sglang", "--compare"]) == 0
     table = capsys.readouterr().out
     assert "sglang-prob" in table and "sglang-bfs+prompt" in table
+    assert main(["simulate", "--streams", str(path), "--json", "--step-ms", "5,5.5,6.5"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ngramspec"]["overall"]["modelled_speedup"] > 0
 
 
 def test_corpus_bench_runs_on_a_tiny_stream():

@@ -55,7 +55,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_help: str | None = No
                    help="model-free n-gram speculative decoding (default: none)")
     g.add_argument("--speculative-config", type=_speculative_config, default=None,
                    metavar="JSON", help=SPECULATIVE_CONFIG_HELP.replace("%", "%%"))
-    g.add_argument("--verify-cost", type=_verify_cost, default=None, metavar="flat|C1,C2,...",
+    g.add_argument("--verify-cost", type=verify_cost_arg, default=None, metavar="flat|C1,C2,...",
                    help="forward cost vs query tokens (1, 2, 4, 8, 12, 16, ...) relative to one "
                         "token; 'flat' always drafts full trees; default: measured at start")
     g.add_argument("--draft-sizing", choices=["auto", "cost", "full"], default="auto",
@@ -73,8 +73,8 @@ def _speculative_config(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _verify_cost(text: str) -> list[float]:
-    from ngramspec.engine.cost_model import DEFAULT_POINTS
+def verify_cost_arg(text: str) -> list[float]:
+    from ngramspec.policy.cost import DEFAULT_POINTS
 
     if text == "flat":
         return [1.0] * len(DEFAULT_POINTS)

@@ -23,10 +23,24 @@ def register(subparsers: Any) -> None:
                    help="forget online state between stream files")
     p.add_argument("--compare", action="store_true",
                    help="also run SGLang BFS and PROB (and BFS with the prompt inserted)")
+    p.add_argument("--step-ms", type=step_ms_arg, metavar="MS1,MS2,...",
+                   help="size trees as the engine would against these step times (milliseconds "
+                        "at 1, 2, 4, 8, 12, 16, 24, ... query tokens, e.g. from `ngramspec bench "
+                        "context`) and report the modelled speed-up over plain decoding")
     p.add_argument("--json", action="store_true",
                    help="print JSON instead of tables (the tables need ngramspec[bench])")
     add_drafter_args(p)
     p.set_defaults(func=run)
+
+
+def step_ms_arg(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--step-ms {text!r}: use numbers, e.g. 5,6,8") from None
+    if not values or any(not 0 < v < float("inf") for v in values):
+        raise argparse.ArgumentTypeError("--step-ms values must be positive milliseconds")
+    return values
 
 
 def _factories(config: DrafterConfig, corpora: Any, compare: bool) -> dict[str, Any]:
@@ -57,9 +71,18 @@ def run(args: argparse.Namespace) -> int:
     corpora = load_corpora(args.corpus, config.external_corpus_max_tokens)
     factories = _factories(config, corpora, args.compare)
     budget = config.num_draft_tokens
+    cost = None
+    if args.step_ms is not None:
+        from ngramspec.policy.cost import DEFAULT_POINTS, StepCost, VerifyCost
+
+        if len(args.step_ms) > len(DEFAULT_POINTS):
+            raise SystemExit(f"--step-ms: at most {len(DEFAULT_POINTS)} times "
+                             f"(at {', '.join(map(str, DEFAULT_POINTS))} tokens)")
+        cost = StepCost(VerifyCost(list(DEFAULT_POINTS[:len(args.step_ms)]),
+                                   [ms / 1000 for ms in args.step_ms]), learn=False)
     if args.json:
         reports = {name: simulate(make(), streams, budget, args.concurrency,
-                                  args.reset_between_files).to_dict()
+                                  args.reset_between_files, cost).to_dict()
                    for name, make in factories.items()}
         json.dump(reports, sys.stdout, indent=1)
         print()
@@ -71,9 +94,10 @@ def run(args: argparse.Namespace) -> int:
     # Wide tables stay readable when piped (rich would wrap them at 80 columns).
     console = Console(width=None if sys.stdout.isatty() else 160)
     if args.compare:
-        compare(factories, streams, budget, args.concurrency, console, args.reset_between_files)
+        compare(factories, streams, budget, args.concurrency, console, args.reset_between_files,
+                cost)
     else:
         report = simulate(factories[config.preset](), streams, budget, args.concurrency,
-                          args.reset_between_files)
+                          args.reset_between_files, cost)
         print_report(report, console, title=config.preset)
     return 0

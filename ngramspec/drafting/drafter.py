@@ -171,6 +171,12 @@ class NgramDrafter:
         else:
             self._release(req.slot)
 
+    def reset_calibration(self) -> None:
+        """Forget what was learned about acceptance (new weights); the n-gram statistics,
+        which are model-free, stay, and so do the requests' own gains (they decay every step)."""
+        self._flush()  # what is queued learns under the old weights' tables
+        self.calibrator.reset()
+
     def reset(self) -> None:
         """Clear the trie, calibration and all request states; external corpora are kept."""
         self._trie.reset()

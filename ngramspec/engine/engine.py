@@ -132,7 +132,8 @@ class LLMEngine:
                                  "set speculative='ngram'")
             return None
         from ngramspec.drafting.factory import make_drafter
-        from ngramspec.engine.cost_model import VerifyCost, measure_cost
+        from ngramspec.engine.cost_model import measure_cost
+        from ngramspec.policy.cost import VerifyCost
 
         cost = None
         if config.sizes_drafts:

@@ -13,6 +13,10 @@ tells exactly which draft nodes the target would accept. Per request:
     drafter.stop(id)
 
 mean_accepted = decode tokens / verify steps (bonus included; the prefill token is in neither).
+With a step cost (`cost`, policy/cost.py), each tree is first cut to what the speculation policy
+would verify (policy/sizing.py, as the engine sizes them) and every step's time is modelled by the
+cost curve and the host overhead guess: `modelled_speedup` = the modelled time of plain decoding
+over that of speculation, for the same tokens.
 With `concurrency = N`, N requests are in flight: each round proposes for all of them in one call,
 then verifies and commits each in turn (the engine's order), and a finished request's slot goes to
 the next stream in file order.
@@ -27,7 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ngramspec.drafting.protocol import Drafter
+from ngramspec.drafting.tree import DraftBatch
+from ngramspec.policy.cost import StepCost
+from ngramspec.policy.sizing import size_trees, step_extras
 
 LOOP_WINDOW = 48
 LOOP_MAX_PERIOD = 24
@@ -55,6 +64,10 @@ class RequestResult:
     commit_us: list[float] = field(default_factory=list)  # per step
     drafted_by_source: dict[int, int] = field(default_factory=dict)
     accepted_by_source: dict[int, int] = field(default_factory=dict)
+    # With a step cost: the request's share of each step's modelled seconds, and of plain
+    # decoding's for the same tokens.
+    seconds: float = 0.0
+    plain_seconds: float = 0.0
 
 
 def read_streams(paths: Iterable[str | Path]) -> list[Stream]:
@@ -107,7 +120,8 @@ def _start(drafter: Drafter, stream: Stream) -> _Live:
     return live
 
 
-def _verify_and_commit(drafter: Drafter, live: _Live, tree: Any, propose_us: float) -> None:
+def _verify_and_commit(drafter: Drafter, live: _Live, tree: Any, propose_us: float,
+                       seconds: float = 0.0, plain_per_token: float = 0.0) -> None:
     out, pos, r = live.stream.output_ids, live.pos, live.result
     accepted = tree.accepted_nodes(out[pos:pos + tree.num_drafts])
     emitted = out[pos:pos + len(accepted) + 1]  # + bonus, unless the output ends first
@@ -118,6 +132,8 @@ def _verify_and_commit(drafter: Drafter, live: _Live, tree: Any, propose_us: flo
     live.pos += len(emitted)
     r.steps += 1
     r.tokens += len(emitted)
+    r.seconds += seconds
+    r.plain_seconds += len(emitted) * plain_per_token
     r.drafted += tree.num_drafts
     for node in range(1, len(tree)):
         src = tree.sources[node]
@@ -128,8 +144,9 @@ def _verify_and_commit(drafter: Drafter, live: _Live, tree: Any, propose_us: flo
 
 
 def replay(drafter: Drafter, streams: list[Stream], budget: int = 11,
-           concurrency: int = 1) -> list[RequestResult]:
-    """Replay `streams` in order through `drafter`; `budget` = draft nodes per tree (d - 1).
+           concurrency: int = 1, cost: StepCost | None = None) -> list[RequestResult]:
+    """Replay `streams` in order through `drafter`; `budget` = draft nodes per tree (d - 1);
+    `cost`: size the trees by the speculation policy and model step times.
 
     Returns one result per stream, in stream order.
     """
@@ -150,7 +167,7 @@ def replay(drafter: Drafter, streams: list[Stream], budget: int = 11,
                 _finish(drafter, live.pop(), results)
         if not live:
             return sorted(results, key=lambda r: order[r.id])
-        _round(drafter, live, budget)
+        _round(drafter, live, budget, cost)
         for x in [x for x in live if x.done]:
             live.remove(x)
             _finish(drafter, x, results)
@@ -161,7 +178,7 @@ def _finish(drafter: Drafter, live: _Live, results: list[RequestResult]) -> None
     results.append(live.result)
 
 
-def _round(drafter: Drafter, live: list[_Live], budget: int) -> None:
+def _round(drafter: Drafter, live: list[_Live], budget: int, cost: StepCost | None) -> None:
     """One engine step: propose for every live request at once, then verify and commit each."""
     ids = [x.stream.id for x in live]
     t0 = time.perf_counter()
@@ -173,7 +190,17 @@ def _round(drafter: Drafter, live: list[_Live], budget: int) -> None:
         if tree.num_drafts > budget:
             raise RuntimeError(
                 f"{x.stream.id}: tree has {tree.num_drafts} drafts > budget {budget}")
-        _verify_and_commit(drafter, x, tree, per_request_us)
+    n, seconds, plain = len(ids), 0.0, 0.0
+    if cost is not None:  # the engine's sizing: each tree cut to the drafts that pay
+        batch = DraftBatch.from_trees(trees, budget + 1)
+        lengths = np.minimum(batch.sizes, budget + 1)
+        sizes = size_trees(batch.probs, lengths, n, cost, n)
+        trees = batch.prefixes([k + 1 for k in sizes])
+        forward, host = step_extras(sizes, n, cost.curve)
+        plain = cost.curve(n) / n
+        seconds = plain + (forward + host) / n
+    for x, tree in zip(live, trees):
+        _verify_and_commit(drafter, x, tree, per_request_us, seconds, plain)
 
 
 # ---- summaries ----------------------------------------------------------------------------------
@@ -185,6 +212,7 @@ class Summary:
     tokens: int
     drafted: int
     mean_accepted: float  # decode tokens / verify steps, bonus included
+    modelled_speedup: float | None  # plain over speculative modelled seconds (with a step cost)
     propose_us: float  # median µs per request-step
     commit_us: float  # median µs per request-step
     by_source: dict[str, dict[str, float]]  # source -> {drafted, accepted, acceptance}
@@ -238,6 +266,8 @@ def summarize(results: list[RequestResult]) -> Summary:
     return Summary(
         requests=len(results), steps=steps, tokens=tokens, drafted=sum(r.drafted for r in results),
         mean_accepted=tokens / steps if steps else 0.0,
+        modelled_speedup=(sum(r.plain_seconds for r in results) / seconds
+                          if (seconds := sum(r.seconds for r in results)) > 0 else None),
         propose_us=_median([u for r in results for u in r.propose_us]),
         commit_us=_median([u for r in results for u in r.commit_us]),
         by_source=dict(sorted(by_source.items())),
@@ -268,13 +298,15 @@ def report(results: list[RequestResult], drafter: Drafter | None = None) -> Repo
 
 
 def simulate(drafter: Drafter, streams: list[Stream], budget: int = 11, concurrency: int = 1,
-             reset_between_files: bool = False) -> Report:
+             reset_between_files: bool = False, cost: StepCost | None = None) -> Report:
     """Replay and summarise. By default the drafter keeps what it learned across files, like a
-    server would; `reset_between_files` makes each file's numbers independent of file order."""
+    server would; `reset_between_files` makes each file's numbers independent of file order.
+    `cost`: size trees by the speculation policy and model the speed-up (see `replay`)."""
     if not reset_between_files:
-        return report(replay(drafter, streams, budget, concurrency), drafter)
+        return report(replay(drafter, streams, budget, concurrency, cost), drafter)
     results: list[RequestResult] = []
     for file in dict.fromkeys(s.file for s in streams):
-        results += replay(drafter, [s for s in streams if s.file == file], budget, concurrency)
+        results += replay(drafter, [s for s in streams if s.file == file], budget, concurrency,
+                          cost)
         drafter.reset()
     return report(results, drafter)

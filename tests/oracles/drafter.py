@@ -110,6 +110,10 @@ class ReferenceDrafter:
     def stop(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
+    def reset_calibration(self) -> None:
+        """Forget the calibration tables only (NgramDrafter.reset_calibration)."""
+        self.calibrator.reset()
+
     def reset(self) -> None:
         """Clear the trie, calibration and all request states; external corpora are kept."""
         self.trie.reset()
