@@ -17,6 +17,10 @@ import numpy as np
 
 from ngramspec.policy.cost import UNIT_PRICES, Prices, StepCost, VerifyCost
 
+# Drafts are kept only where they raise the modelled tokens per second by more than this share:
+# a marginal draft gains nothing on average, and costs what the model leaves out.
+PAY_MARGIN = 0.05
+
 # Host-side cost of verifying trees rather than single tokens: per step (mask building) and per
 # tree that drafts anything (tree walk, slot bookkeeping, drafter feedback).
 TREE_STEP_OVERHEAD_S = 5e-4
@@ -65,7 +69,7 @@ def may_pay(probs: np.ndarray, lengths: np.ndarray, max_drafts: int, base_tokens
     per_draft = (prices.penalty * curve.min_extra_per_draft(base_tokens, max_drafts)
                  + prices.host * host_overhead(1) / max_drafts)
     return (p_max * prices.scale * curve(base_tokens)
-            > (1 - 1e-9) * len(lengths) * per_draft)
+            > (1 - 1e-9) * (1 + PAY_MARGIN) * len(lengths) * per_draft)
 
 
 def choose_draft_sizes(probs: list[list[float]], base_tokens: int, cost: VerifyCost,
@@ -105,7 +109,7 @@ def draft_sizes(p: np.ndarray, tree_of: np.ndarray, num: int, base_tokens: int,
     rate = expected / (plain + (prices.penalty * cost.forward_extras(base_tokens, total)
                                 + prices.host * host))
     best = int(np.argmax(rate))  # the first of the best, as a strict > scan would keep
-    best_m = best + 1 if rate[best] > num / plain else 0
+    best_m = best + 1 if rate[best] > (1 + PAY_MARGIN) * num / plain else 0
     if num == 1:
         return [best_m]
     return np.bincount(tree_of[:best_m], minlength=num).tolist()

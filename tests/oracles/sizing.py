@@ -4,7 +4,7 @@ once in numpy and must decide exactly as this does)."""
 from __future__ import annotations
 
 from ngramspec.policy.cost import UNIT_PRICES, Prices, VerifyCost
-from ngramspec.policy.sizing import host_overhead
+from ngramspec.policy.sizing import PAY_MARGIN, host_overhead
 
 
 def reference_draft_sizes(probs: list[list[float]], base_tokens: int, cost: VerifyCost,
@@ -23,6 +23,8 @@ def reference_draft_sizes(probs: list[list[float]], base_tokens: int, cost: Veri
                                     + prices.host * host_overhead(len(drafting))))
         if rate > best_rate:
             best_m, best_rate = m, rate
+    if best_rate <= (1 + PAY_MARGIN) * len(probs) / plain:
+        best_m = 0  # a gain within the margin is no gain
     sizes = [0] * len(probs)
     for _, t, _ in nodes[:best_m]:
         sizes[t] += 1
