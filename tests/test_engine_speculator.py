@@ -20,6 +20,7 @@ from ngramspec.policy.sizing import (
     TREE_STEP_OVERHEAD_S,
     choose_draft_sizes,
     may_pay,
+    size_one_tree,
     size_trees,
 )
 from ngramspec.sampling_params import SamplingParams
@@ -85,6 +86,10 @@ prices_st = st.builds(Prices, st.sampled_from([1.0, 1.3, 0.7]), st.sampled_from(
 def test_batched_sizing_decides_as_the_loop(trees, cost, prices):
     assert choose_draft_sizes(trees, len(trees), cost, prices) == \
         reference_draft_sizes(trees, len(trees), cost, prices)
+    for tree in trees[:3]:  # one tree alone: the scalar loop the engine runs at one request
+        alone = [size_one_tree(tree[1:], 1, cost, prices)]
+        assert alone == choose_draft_sizes([tree], 1, cost, prices)
+        assert alone == reference_draft_sizes([tree], 1, cost, prices)
     for n in (1, 7, 300, 900):
         assert cost.many(np.array([n]))[0] == cost(n)
 

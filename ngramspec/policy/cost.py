@@ -47,6 +47,7 @@ class VerifyCost:
         self.points, self.seconds = list(points), list(seconds)
         self._per_draft: dict[tuple[int, int], float] = {}
         self._extras: dict[tuple[int, int], np.ndarray] = {}
+        self._extras_list: dict[tuple[int, int], list[float]] = {}
 
     def __call__(self, num_tokens: int) -> float:
         pts, secs = self.points, self.seconds
@@ -82,6 +83,14 @@ class VerifyCost:
             value = self.many(base_tokens + np.arange(1, max_drafts + 1)) - self(base_tokens)
             value.flags.writeable = False
             self._extras[key] = value
+        return value
+
+    def forward_extras_list(self, base_tokens: int, max_drafts: int) -> list[float]:
+        """`forward_extras` as a Python list (cached likewise)."""
+        key = (base_tokens, max_drafts)
+        value = self._extras_list.get(key)
+        if value is None:
+            value = self._extras_list[key] = self.forward_extras(base_tokens, max_drafts).tolist()
         return value
 
     def min_extra_per_draft(self, base_tokens: int, max_drafts: int) -> float:
