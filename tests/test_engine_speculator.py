@@ -13,7 +13,14 @@ from ngramspec.drafting.tree import DraftBatch, DraftTree
 from ngramspec.engine.scheduler import Schedule, ScheduledChunk
 from ngramspec.engine.sequence import Sequence
 from ngramspec.engine.speculator import BACKOFF_AFTER, BACKOFF_DRAFT_SHARE, Speculator
-from ngramspec.policy.cost import BOUNDS, Prices, StepCost, VerifyCost, batch_bucket
+from ngramspec.policy.cost import (
+    BOUNDS,
+    SETTLE_STEPS,
+    Prices,
+    StepCost,
+    VerifyCost,
+    batch_bucket,
+)
 from ngramspec.policy.sizing import (
     PAY_MARGIN,
     PER_TREE_OVERHEAD_S,
@@ -111,8 +118,10 @@ def _fit(cost: StepCost, steps: int, truth: tuple[float, float, float],
             cost.observe(n, base, forward, host, scale * base + penalty * forward + host_f * host)
 
 
-# A plain step, and trees of three sizes (a 5 ms step on a CPU: the host guess is a sixth of it).
-VARIED = [(0.0, 0.0), (0.0009, 0.0008), (0.004, 0.0008), (0.002, 0.0011)]
+# Trees of three sizes (a 5 ms step on a CPU: the host guess is a sixth of it), then plain steps
+# until one counts (StepCost leaves out the SETTLE_STEPS right after drafting).
+DRAFTING = [(0.0009, 0.0008), (0.004, 0.0008), (0.002, 0.0011)]
+VARIED = DRAFTING + [(0.0, 0.0)] * (SETTLE_STEPS + 1)
 
 
 def test_step_cost_learns_the_true_prices():
@@ -127,12 +136,24 @@ def test_step_cost_learns_the_true_prices():
     # Only drafting steps, of varied sizes: no plain step is needed to price the drafts' forward
     # time and the steps seen (a near-constant host guess cannot be told from the scale).
     only_drafting = StepCost(VerifyCost([1, 16], [0.05, 0.08]))
-    _fit(only_drafting, 100, (2.0, 3.0, 0.5), VARIED[1:])
+    _fit(only_drafting, 100, (2.0, 3.0, 0.5), DRAFTING)
     got = only_drafting.prices(16)
     assert abs(got.penalty - 3.0) < 0.2
-    for forward, host in VARIED[1:]:
+    for forward, host in DRAFTING:
         true = 2.0 * 0.005 + 3.0 * forward + 0.5 * host
         assert abs(got.scale * 0.005 + got.penalty * forward + got.host * host - true) < 0.02 * true
+
+
+def test_plain_steps_right_after_drafting_do_not_set_the_scale():
+    """Plain steps slowed by the drafting step before them (a platform's after-effect) would
+    make the scale, and so the plain step, look dearer and drafts cheaper than they are."""
+    cost = StepCost(VerifyCost([1, 16], [0.005, 0.008]))
+    for _ in range(60):
+        cost.observe(1, 0.005, 0.002, 0.0008, 0.005 + 0.002 + 0.0008)  # priced as the curve
+        for k in range(SETTLE_STEPS + 2):  # then plain steps, the first ones 40%, 30%, ... slow
+            cost.observe(1, 0.005, 0.0, 0.0, 0.005 * (1 + max(0.0, 0.4 - 0.1 * k)))
+    got = cost.prices(1)
+    assert abs(got.scale - 1.0) < 0.01 and abs(got.penalty - 1.0) < 0.05
 
 
 def test_step_cost_forgets_dear_drafts_and_is_bounded():
@@ -284,7 +305,9 @@ def test_new_weights_restart_what_was_learned_of_acceptance_and_step_times():
 
 def test_a_gain_within_the_margin_drafts_nothing():
     flat = VerifyCost([1, 2], [0.01, 0.01])  # one draft costs only the host guess, 0.8 ms
-    # (1 + 0.1) / 1.08 = 1.9% more tokens per second: inside PAY_MARGIN, so not worth the risk
-    assert choose_draft_sizes([[1.0, 0.1]], 1, flat) == [0]
-    assert reference_draft_sizes([[1.0, 0.1]], 1, flat) == [0]
-    assert choose_draft_sizes([[1.0, 0.2]], 1, flat) == [1]  # 11% more: drafted
+    # A draft of estimate p gives (1 + p) / 1.08 times the plain rate.
+    inside = (1 + PAY_MARGIN / 2) * 1.08 - 1  # a gain inside the margin: not worth the risk
+    assert choose_draft_sizes([[1.0, inside]], 1, flat) == [0]
+    assert reference_draft_sizes([[1.0, inside]], 1, flat) == [0]
+    beyond = (1 + 2 * PAY_MARGIN) * 1.08 - 1
+    assert choose_draft_sizes([[1.0, beyond]], 1, flat) == [1]
