@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from ngramspec.cli.drafter_args import add_drafter_args, drafter_config, drafter_fields_from_args
@@ -78,12 +79,17 @@ def verify_cost_arg(text: str) -> list[float]:
 
     if text == "flat":
         return [1.0] * len(DEFAULT_POINTS)
+    return positive_floats(text, "--verify-cost", "'flat' or numbers")
+
+
+def positive_floats(text: str, option: str, hint: str) -> list[float]:
+    """`option`'s comma-separated positive numbers, or an error naming it (`hint`: what to use)."""
     try:
         values = [float(x) for x in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--verify-cost {text!r}: use 'flat' or numbers") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError("--verify-cost values must be positive")
+        raise argparse.ArgumentTypeError(f"{option} {text!r}: use {hint}") from None
+    if not values or any(not 0 < v < math.inf for v in values):
+        raise argparse.ArgumentTypeError(f"{option} values must be positive")
     return values
 
 

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from ngramspec.cli.drafter_args import add_drafter_args, drafter_config_from_args, load_corpora
+from ngramspec.cli.engine_args import positive_floats
 from ngramspec.drafting.config import DrafterConfig
 
 
@@ -34,13 +35,7 @@ def register(subparsers: Any) -> None:
 
 
 def step_ms_arg(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--step-ms {text!r}: use numbers, e.g. 5,6,8") from None
-    if not values or any(not 0 < v < float("inf") for v in values):
-        raise argparse.ArgumentTypeError("--step-ms values must be positive milliseconds")
-    return values
+    return positive_floats(text, "--step-ms", "milliseconds, e.g. 5,6,8")
 
 
 def _factories(config: DrafterConfig, corpora: Any, compare: bool) -> dict[str, Any]:
@@ -78,8 +73,8 @@ def run(args: argparse.Namespace) -> int:
         if len(args.step_ms) > len(DEFAULT_POINTS):
             raise SystemExit(f"--step-ms: at most {len(DEFAULT_POINTS)} times "
                              f"(at {', '.join(map(str, DEFAULT_POINTS))} tokens)")
-        cost = StepCost(VerifyCost(list(DEFAULT_POINTS[:len(args.step_ms)]),
-                                   [ms / 1000 for ms in args.step_ms]), learn=False)
+        cost = StepCost(VerifyCost.from_relative([ms / 1000 for ms in args.step_ms]),
+                        learn=False)
     if args.json:
         reports = {name: simulate(make(), streams, budget, args.concurrency,
                                   args.reset_between_files, cost).to_dict()

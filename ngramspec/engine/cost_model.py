@@ -52,10 +52,9 @@ def measure_cost(runner: ModelRunner, scheduler: Scheduler, max_model_len: int,
     all of them, keeping each point's best: right after loading, single timings drift +-15%
     from one start to the next, and a slow phase hits whichever point runs then. More work
     never takes less time, so the curve is made non-decreasing. Each round's first point comes
-    after SETTLE_RUNS untimed forwards of its size: on some CPUs (seen on a 2-core Sapphire
-    Rapids VM) the one-token steps that follow a many-token one run up to 30% slow for ~5 steps,
-    which plain decoding never sees; timed right after the last round's 16 tokens, one token
-    came out as slow as two, and the first draft looked free.
+    after SETTLE_RUNS untimed forwards of its size: on some CPUs the one-token steps after a
+    many-token one run slow for a few steps, which plain decoding never sees, and one token
+    timed right after the last round's 16 would make the first draft look free.
     """
     context = min(256, max_model_len // 2)
     pts = [p for p in points if p <= max_tokens and context + p <= max_model_len]

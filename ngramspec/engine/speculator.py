@@ -115,9 +115,9 @@ class Speculator:
     def _backed_off(self, bucket: int, base_tokens: int) -> bool:
         """Whether to look at each tree's best node before drafting whole trees: the sized trees
         at this batch size have kept nothing for BACKOFF_AFTER steps in a row, and a drafting
-        call costs at least BACKOFF_DRAFT_SHARE of a plain step (on a GPU at 64 requests of chat
-        it cost a third of every step). The look costs about half a full call and never keeps
-        the step from drafting: whole trees are drafted as soon as the best node could pay."""
+        call costs at least BACKOFF_DRAFT_SHARE of a plain step. The look is cheaper than a full
+        call and never keeps the step from drafting: whole trees are drafted as soon as the best
+        node could pay."""
         assert self.cost is not None
         if self._idle.get(bucket, 0) < BACKOFF_AFTER:
             return False
@@ -141,6 +141,6 @@ class Speculator:
 
 # Drafting looks at each tree's best node only (Speculator._backed_off) at a batch size where
 # BACKOFF_AFTER sized steps in a row kept no draft, if a drafting call costs BACKOFF_DRAFT_SHARE of
-# a plain step or more; where drafting is cheaper (a CPU at one request: ~1%) it never backs off.
+# a plain step or more; where drafting is cheaper (a CPU at one request) it never backs off.
 BACKOFF_AFTER = 8
 BACKOFF_DRAFT_SHARE = 0.1

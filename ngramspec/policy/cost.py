@@ -13,12 +13,11 @@ guessed (sizing.host_overhead). Each decode-only step's seconds fit, per batch-s
 
 (m drafts, `guess` the host overhead of its drafting trees; both 0 on a plain step), by least
 squares over recent steps pulled towards (1, 1, 1): `Prices`. Plain steps measure the scale,
-drafting steps of varied sizes all three. A plain step within SETTLE_STEPS of a drafting one is
-left out: on a 2-core Sapphire Rapids VM the one-row steps after a 16-row one ran 35%, 25%, 17%,
-9%, ... slow, and that time, counted in the plain steps' scale, would make drafts look cheaper
-than they are (left out, it falls on the drafting steps that follow drafting steps); no step is ever kept from drafting to measure them, and
+drafting steps of varied sizes all three, so no step is ever kept from drafting to measure them;
 as the steps that taught a high price age out of the window, the prices return to the curve's
-own: a policy that stopped drafting because drafts were dear tries them again.
+own, and a policy that stopped drafting because drafts were dear tries them again. The plain
+steps within SETTLE_STEPS of a drafting one are left out: on some CPUs a many-row step slows the
+steps after it, and counted in the scale that time would make drafts look cheaper than they are.
 """
 
 from __future__ import annotations
@@ -49,9 +48,9 @@ class VerifyCost:
         if len(points) != len(seconds) or not points:
             raise ValueError("VerifyCost needs one time per point")
         self.points, self.seconds = list(points), list(seconds)
-        self._per_draft: dict[tuple[int, int], float] = {}
-        self._extras: dict[tuple[int, int], np.ndarray] = {}
-        self._extras_list: dict[tuple[int, int], list[float]] = {}
+        # (base tokens, max drafts) -> forward extras as an array and a list, and their least
+        # mean per draft; the curve never changes after construction
+        self._extras: dict[tuple[int, int], tuple[np.ndarray, list[float], float]] = {}
 
     def __call__(self, num_tokens: int) -> float:
         pts, secs = self.points, self.seconds
@@ -78,35 +77,29 @@ class VerifyCost:
         inside = secs[i - 1] * (1 - w) + secs[i] * w
         return np.where(n <= pts[0], secs[0], np.where(n >= pts[-1], beyond, inside))
 
-    def forward_extras(self, base_tokens: int, max_drafts: int) -> np.ndarray:
-        """self(base + m) - self(base) for m = 1..max_drafts (read-only; cached per argument
-        pair, as the curve never changes after construction)."""
+    def _extras_of(self, base_tokens: int, max_drafts: int
+                   ) -> tuple[np.ndarray, list[float], float]:
         key = (base_tokens, max_drafts)
-        value = self._extras.get(key)
-        if value is None:
-            value = self.many(base_tokens + np.arange(1, max_drafts + 1)) - self(base_tokens)
-            value.flags.writeable = False
-            self._extras[key] = value
-        return value
+        got = self._extras.get(key)
+        if got is None:
+            m = np.arange(1, max_drafts + 1)
+            extras = self.many(base_tokens + m) - self(base_tokens)
+            extras.flags.writeable = False
+            got = self._extras[key] = (extras, extras.tolist(), float((extras / m).min()))
+        return got
+
+    def forward_extras(self, base_tokens: int, max_drafts: int) -> np.ndarray:
+        """self(base + m) - self(base) for m = 1..max_drafts (read-only, cached)."""
+        return self._extras_of(base_tokens, max_drafts)[0]
 
     def forward_extras_list(self, base_tokens: int, max_drafts: int) -> list[float]:
-        """`forward_extras` as a Python list (cached likewise)."""
-        key = (base_tokens, max_drafts)
-        value = self._extras_list.get(key)
-        if value is None:
-            value = self._extras_list[key] = self.forward_extras(base_tokens, max_drafts).tolist()
-        return value
+        """`forward_extras` as a Python list (cached)."""
+        return self._extras_of(base_tokens, max_drafts)[1]
 
     def min_extra_per_draft(self, base_tokens: int, max_drafts: int) -> float:
         """min over m in 1..max_drafts of (self(base + m) - self(base)) / m: the least forward
-        time a draft can add on average (the draft sizing's bound). Cached per argument pair;
-        the curve never changes after construction."""
-        key = (base_tokens, max_drafts)
-        value = self._per_draft.get(key)
-        if value is None:
-            extra = self.forward_extras(base_tokens, max_drafts)
-            value = self._per_draft[key] = float((extra / np.arange(1, max_drafts + 1)).min())
-        return value
+        time a draft can add on average (the draft sizing's bound; cached)."""
+        return self._extras_of(base_tokens, max_drafts)[2]
 
     @classmethod
     def from_relative(cls, relative: list[float],
@@ -126,6 +119,9 @@ class Prices:
     scale: float = 1.0  # of the plain step, curve(base)
     penalty: float = 1.0  # of the drafts' forward time, curve(base + m) - curve(base)
     host: float = 1.0  # of the drafting trees' host overhead guess
+
+
+UNIT_PRICES = Prices()
 
 
 class _Fit:
@@ -201,6 +197,3 @@ class StepCost:
         self._fits.clear()
         self._solved.clear()
         self._since_draft = SETTLE_STEPS
-
-
-UNIT_PRICES = Prices()

@@ -53,27 +53,20 @@ def size_trees(probs: np.ndarray, lengths: np.ndarray, base_tokens: int, cost: S
 def size_one_tree(p: list[float], base_tokens: int, curve: VerifyCost,
                   prices: Prices = UNIT_PRICES) -> int:
     """`size_trees` of one best-first tree (its drafts' estimates `p`), as a loop over Python
-    floats: at one request a step has time for ~10 µs of sizing, not for the ~15 numpy calls of
-    the batch's (~120 µs with the caches cold after a forward pass). It decides as
-    `draft_sizes` does, with the same float operations in the same order."""
-    if not p:
+    floats: at one request the batch's numpy calls would cost a visible share of the step. It
+    decides as `draft_sizes` does, with the same float operations in the same order."""
+    if not p or not _bound_pays(p[0], 1, len(p), base_tokens, curve, prices):
         return 0
-    max_drafts = len(p)
-    per_draft = (prices.penalty * curve.min_extra_per_draft(base_tokens, max_drafts)
-                 + prices.host * host_overhead(1) / max_drafts)
-    plain_cost = curve(base_tokens)
-    if not p[0] * prices.scale * plain_cost > (1 - 1e-9) * (1 + PAY_MARGIN) * 1 * per_draft:
-        return 0  # may_pay's bound
-    plain = prices.scale * plain_cost
+    plain = prices.scale * curve(base_tokens)
     host = prices.host * host_overhead(1)
     expected, best_m, best_rate = 1.0, 0, -1.0
-    for m, (q, forward) in enumerate(zip(p, curve.forward_extras_list(base_tokens, max_drafts)),
+    for m, (q, forward) in enumerate(zip(p, curve.forward_extras_list(base_tokens, len(p))),
                                      start=1):
         expected += q
         rate = expected / (plain + (prices.penalty * forward + host))
         if rate > best_rate:
             best_m, best_rate = m, rate
-    return best_m if best_rate > (1 + PAY_MARGIN) * 1 / plain else 0
+    return best_m if best_rate > (1 + PAY_MARGIN) / plain else 0
 
 
 def may_pay(probs: np.ndarray, lengths: np.ndarray, max_drafts: int, base_tokens: int,
@@ -90,11 +83,17 @@ def may_pay(probs: np.ndarray, lengths: np.ndarray, max_drafts: int, base_tokens
     drafting = lengths > 1
     if max_drafts <= 0 or not drafting.any():
         return False
-    p_max = float(probs[drafting, 1].max())
+    return _bound_pays(float(probs[drafting, 1].max()), len(lengths), max_drafts, base_tokens,
+                       curve, prices)
+
+
+def _bound_pays(p_max: float, num: int, max_drafts: int, base_tokens: int, curve: VerifyCost,
+                prices: Prices) -> bool:
+    """`may_pay`'s bound for `num` trees whose best node's estimate is p_max."""
     per_draft = (prices.penalty * curve.min_extra_per_draft(base_tokens, max_drafts)
                  + prices.host * host_overhead(1) / max_drafts)
     return (p_max * prices.scale * curve(base_tokens)
-            > (1 - 1e-9) * (1 + PAY_MARGIN) * len(lengths) * per_draft)
+            > (1 - 1e-9) * (1 + PAY_MARGIN) * num * per_draft)
 
 
 def choose_draft_sizes(probs: list[list[float]], base_tokens: int, cost: VerifyCost,
